@@ -671,7 +671,7 @@ def say_an_older_dschats_output(step, producer, path, together):
         return
     older = older_step_version(record.get(STEP_VERSION), record.get("step"), os.path.join(path, RUN_ARGS_FILE),
                                "output", f"Run step {step} with that dschat, or train step {producer} again with this "
-                                         f"one (--step {together})", record)
+                                         f"one (--step {together})", record, path)
     if older:
         print_rank_0(f"note: step {step} reads {path}, step {producer}'s output, as asked: it is {older}, which may "
                      f"have trained it otherwise (--step {together} trains step {producer} again with this dschat)")

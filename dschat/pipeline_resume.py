@@ -158,7 +158,7 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         elif older:
             plan[step] = Decision(FRESH, older)
         elif current and not changed:
-            plan[step] = Decision(SKIP, _same_output_why(ignored, alike, record, parsed[step]))
+            plan[step] = Decision(SKIP, _same_output_why(ignored, alike, record, parsed[step], folder))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
             older = older_checkpoint(step, steps, recipe, folder)
             refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
@@ -191,7 +191,7 @@ def older_step_output(folder, record, step, steps, kept=True):
     try:
         older = older_step_version(record.get(STEP_VERSION), record.get("step"), os.path.join(folder, RUN_ARGS_FILE),
                                    "output", f"Resume with that dschat, or train step {step} afresh with this one "
-                                             f"({afresh_flags(step, steps)})", record)
+                                             f"({afresh_flags(step, steps)})", record, folder)
     except UsageError:
         if kept:
             raise
@@ -445,10 +445,11 @@ def unread_in_both(name, step, record, flags):
     return None
 
 
-def _same_output_why(ignored, alike, record, flags):
+def _same_output_why(ignored, alike, record, flags, folder=None):
     """Why a finished step is skipped though flags differ now: ``ignored`` (``weightless_differences``), and ``alike``
-    (step 1's --loss_agg where its loss weighs the tokens alike, ``step1_loss_weighing``); and where its output is an
-    older dschat's that no change since reaches (``spared_by_versions_since``). "" where none of these holds."""
+    (step 1's --loss_agg where its loss weighs the tokens alike, ``step1_loss_weighing``); and where its output (in
+    ``folder``) is an older dschat's that no change since reaches (``spared_by_versions_since``). "" where none of
+    these holds."""
     then = recorded_flags_now(record.get("flags", {}), record.get("step"))  # (a flag it predates: as it trained)
 
     def said(names):
@@ -468,7 +469,7 @@ def _same_output_why(ignored, alike, record, flags):
         ([f"{said(['loss_agg'])} (one micro-batch an optimizer step on one rank: its token mean is the step's)"]
          if "loss_agg" in alike else [])
     why = [f"its output does not depend on {' nor on '.join(parts)}"] if parts else []
-    version = spared_by_versions_since(record.get(STEP_VERSION), record.get("step"), record)
+    version = spared_by_versions_since(record.get(STEP_VERSION), record.get("step"), record, folder)
     return "; ".join(why + ([f"its output is {version}"] if version else []))  # ("": the same flags)
 
 

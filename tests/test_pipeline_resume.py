@@ -12,7 +12,7 @@ import torch
 from dschat import pipeline
 from dschat.errors import UsageError
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
-from dschat.steps.common import STEP_VERSION, STEP_VERSIONS
+from dschat.steps.common import RWKV_SAVE, STEP_VERSION, STEP_VERSION_CHANGES, STEP_VERSIONS
 from dschat.utils.checkpoints import STEP_NAME, latest_tag, tag_of, trainer_folder
 from launch import REPO
 
@@ -245,7 +245,8 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
         record_file.write_text(json.dumps({**record, STEP_VERSION: version}))
         return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: longer, 3: FLAGS})
 
-    assert {step: decision.action for step, decision in step_2_with(1).items()} == {1: SKIP, 2: RESUME, 3: FRESH}
+    then = STEP_VERSIONS["step2"]
+    assert {step: decision.action for step, decision in step_2_with(then).items()} == {1: SKIP, 2: RESUME, 3: FRESH}
     del record[STEP_VERSION]  # (written by a dschat from before steps recorded it)
     decisions = step_2_with(None)
     # (not trained on from its checkpoint: of that dschat too)
@@ -253,15 +254,17 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
                                    f"outputs recorded the step's version (no step_version in {record_file}), which may "
                                    "have trained it otherwise")
     assert decisions[3] == (FRESH, "it starts from step 2's new output")
-    monkeypatch.setitem(STEP_VERSIONS, "step2", 2)  # a change of what step 2 makes, since step 2 finished under 1
-    assert step_2_with(1)[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is an older dschat's "
-                                        "(step_version 1 of step2, 2 now: STEP_VERSIONS in dschat/steps/common.py "
-                                        "says what changed), which may have trained it otherwise")
-    assert step_2_with(2)[2].action == RESUME
-    for newer in (3, "2"):
+    # a change of what step 2 makes (no STEP_VERSION_CHANGES entry: every output), since step 2 finished under ``then``
+    monkeypatch.setitem(STEP_VERSIONS, "step2", then + 1)
+    assert step_2_with(then)[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is an older dschat's "
+                                           f"(step_version {then} of step2, {then + 1} now: STEP_VERSIONS in "
+                                           "dschat/steps/common.py says what changed), which may have trained it "
+                                           "otherwise")
+    assert step_2_with(then + 1)[2].action == RESUME
+    for newer in (then + 2, str(then + 1)):
         with pytest.raises(UsageError, match=rf"{record_file} records step_version {newer!r} of step2, which this "
-                                             r"dschat does not know \(its latest is 2\): .* train step 2 afresh with "
-                                             r"this one \(--step 2 3 without --resume\)"):
+                                             rf"dschat does not know \(its latest is {then + 1}\): .* train step 2 "
+                                             r"afresh with this one \(--step 2 3 without --resume\)"):
             step_2_with(newer)
 
 
@@ -346,19 +349,22 @@ def test_a_step_asked_to_read_an_older_dschats_output_uses_it_saying_so_and_refu
         pipeline.check_earlier_outputs(2, [2, 3], args, step2)
         return capsys.readouterr().out
 
-    assert step_2_reads(1) == ""  # (this dschat's)
+    then = STEP_VERSIONS["step1"]
+    assert step_2_reads(then) == ""  # (this dschat's)
     del record[STEP_VERSION]
     assert step_2_reads(None) == (f"note: step 2 reads {tmp_path / FOLDERS[1]}, step 1's output, as asked: it is of a "
                                   f"dschat from before its outputs recorded the step's version (no step_version in "
                                   f"{record_file}), which may have trained it otherwise (--step 1 2 3 trains step 1 "
                                   "again with this dschat)\n")
-    monkeypatch.setitem(STEP_VERSIONS, "step1", 2)
-    assert "as asked: it is an older dschat's (step_version 1 of step1, 2 now: STEP_VERSIONS in " in step_2_reads(1)
-    assert step_2_reads(2) == ""
-    with pytest.raises(UsageError, match=rf"{record_file} records step_version 3 of step1, which this dschat does not "
-                                         r"know \(its latest is 2\): a newer dschat's output, .* Run step 2 with that "
-                                         r"dschat, or train step 1 again with this one \(--step 1 2 3\)"):
-        step_2_reads(3)
+    monkeypatch.setitem(STEP_VERSIONS, "step1", then + 1)  # (no STEP_VERSION_CHANGES entry: reaches every output)
+    assert f"as asked: it is an older dschat's (step_version {then} of step1, {then + 1} now: STEP_VERSIONS in " in \
+        step_2_reads(then)
+    assert step_2_reads(then + 1) == ""
+    with pytest.raises(UsageError, match=rf"{record_file} records step_version {then + 2} of step1, which this dschat "
+                                         rf"does not know \(its latest is {then + 1}\): a newer dschat's output, .* Run "
+                                         r"step 2 with that dschat, or train step 1 again with this one \(--step 1 2 "
+                                         r"3\)"):
+        step_2_reads(then + 2)
 
 
 def test_batch_flags_set_for_another_number_of_ranks_with_the_same_batches_keep_the_plan(tmp_path):
@@ -1237,10 +1243,11 @@ def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_
     the term as 1's micro-batch mean did (token_mean; one micro-batch a step on one rank, the tiny default's DPO: the
     same to the bit). The check reads the output's recorded flags now (STEP_VERSION_CHANGES): an output no change
     since reaches is skipped, its line saying so; one a change reaches, or whose record cannot tell, trains again."""
-    assert STEP_VERSIONS["step2_dpo"] == 2
+    assert STEP_VERSIONS["step2_dpo"] == 3
     dpo = tmp_path / "step2_dpo"
     dpo.mkdir()
     (dpo / "metrics.json").write_text("{}")
+    (dpo / "config.json").write_text('{"model_type": "llama"}')  # (version 3's change reaches RWKV outputs alone)
     base = {**vars(FLAGS), "rpo_alpha": 1.0, "loss_agg": "global_token_mean", "per_device_train_batch_size": 8,
             "gradient_accumulation_steps": 1}
 
@@ -1252,11 +1259,11 @@ def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_
         (dpo / "training_args.json").write_text(json.dumps(record))
         return plan_steps([2], "dpo", str(tmp_path), {2: Namespace(**recorded)}, world_size=world_size or 1)[2]
 
-    spared = (SKIP, "its output is step_version 1 of step2_dpo (2 now), which trained it as this dschat does: version 2 "
+    spared = (SKIP, "its output is step_version 1 of step2_dpo (3 now), which trained it as this dschat does: version 2 "
                     "changed how --rpo_alpha's NLL term is weighed (by --loss_agg; 1 took each micro-batch's own mean), "
                     "which leaves an output without --rpo_alpha alike, or one whose --loss_agg weighs the term as that "
-                    "mean")
-    older = (FRESH, f"its finished output in {dpo} is an older dschat's (step_version 1 of step2_dpo, 2 now: "
+                    f"mean; version 3 changed {RWKV_SAVE}, which leaves an output of another family than RWKV alike")
+    older = (FRESH, f"its finished output in {dpo} is an older dschat's (step_version 1 of step2_dpo, 3 now: "
                     "STEP_VERSIONS in dschat/steps/common.py says what changed), which may have trained it otherwise")
     assert dpo_of_version_1(rpo_alpha=0.0) == spared
     assert dpo_of_version_1() == spared  # (one micro-batch a step on one rank: the token mean is the step's)
@@ -1264,7 +1271,8 @@ def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_
     # train.py --step 3 reading such an output (say_an_older_dschats_output) and a checkpoint's note read the same rule
     from dschat.steps.common import older_step_version
 
-    assert older_step_version(1, "step2_dpo", "training_args.json", "output", "", {"flags": {"rpo_alpha": 0}}) is None
+    assert older_step_version(1, "step2_dpo", "training_args.json", "output", "", {"flags": {"rpo_alpha": 0}},
+                              str(dpo)) is None  # (its folder: the family of its model, for version 3)
     assert older_step_version(1, "step2_dpo", "state.json", "checkpoint", "") is not None  # (no record: said)
     assert dpo_of_version_1(gradient_accumulation_steps=2) == older
     assert dpo_of_version_1(world_size=2) == older
@@ -1277,8 +1285,53 @@ def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_
     # train.py --step 3 reading such an output (say_an_older_dschats_output) and a checkpoint's note read the same rule
     from dschat.steps.common import older_step_version
 
-    assert older_step_version(1, "step2_dpo", "training_args.json", "output", "", {"flags": {"rpo_alpha": 0}}) is None
+    assert older_step_version(1, "step2_dpo", "training_args.json", "output", "", {"flags": {"rpo_alpha": 0}},
+                              str(dpo)) is None  # (its folder: the family of its model, for version 3)
     assert older_step_version(1, "step2_dpo", "state.json", "checkpoint", "") is not None  # (no record: said)
+
+
+def test_a_version_change_of_some_families_alone_trains_their_older_outputs_alone_again(tmp_path):
+    """Session 59 fixed RWKV's saves (they kept the weights an eval-mode forward had divided in place) and the value
+    head's width probe (it left an RWKV backbone's weights divided), and sessions 59-60 how an actor of a family whose
+    outputs left padding moves generates, with no version bump: an older RWKV reward model was skipped as this
+    dschat's. Each step's version is bumped now, its change naming the families it reaches (``model_types``), judged
+    by the config.json of the models the output saved (and step 3's reward model): an older step-2 output of RWKV
+    trains again, an OPT one is skipped, saying so; one whose family cannot be read trains again."""
+    def of_the_version_before(step, configs, **flags):
+        """``step``'s finished output of the version before this one, its saved models of ``configs``' families."""
+        finish(tmp_path, step, 100 * step, **flags)
+        folder = tmp_path / FOLDERS[step]
+        record_file = folder / "training_args.json"
+        record_file.write_text(json.dumps({**json.loads(record_file.read_text()),
+                                           STEP_VERSION: STEP_VERSIONS[f"step{step}"] - 1}))
+        for sub, model_type in configs.items():
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+            (folder / sub / "config.json").write_text(json.dumps({"model_type": model_type}))
+        now = Namespace(**{**vars(FLAGS), **flags})
+        return plan_steps([step], "ppo", str(tmp_path), {step: now}, rm_from_sft=False)[step]
+
+    said = STEP_VERSION_CHANGES[("step2", 2)].said
+    assert of_the_version_before(2, {".": "opt"}) == (
+        SKIP, f"its output is step_version 1 of step2 (2 now), which trained it as this dschat does: version 2 changed "
+              f"{said}, which leaves an output of another family than RWKV alike")
+    older = f"is an older dschat's (step_version 1 of step2, 2 now: STEP_VERSIONS in dschat/steps/common.py says what"
+    assert older in of_the_version_before(2, {".": "rwkv"}).why
+    (tmp_path / FOLDERS[2] / "config.json").unlink()
+    assert older in of_the_version_before(2, {}).why  # (no config: its family unknown)
+
+    # step 3: its actor's family, its critic's, and its reward model's, which it does not save
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text('{"model_type": "llama"}')
+    scored_by = {"critic_model_name_or_path": str(rm)}
+    assert of_the_version_before(3, {"actor": "llama"}, **scored_by).action == SKIP
+    assert of_the_version_before(3, {"actor": "xlstm"}, **scored_by).action == FRESH
+    assert of_the_version_before(3, {"actor": "llama", "critic": "rwkv"}, **scored_by).action == FRESH
+    shutil.rmtree(tmp_path / FOLDERS[3] / "critic")
+    (rm / "config.json").write_text('{"model_type": "rwkv"}')
+    assert of_the_version_before(3, {"actor": "llama"}, **scored_by).action == FRESH
+    assert of_the_version_before(3, {"actor": "llama"}, critic_model_name_or_path="no/such-hub-model").action == FRESH
+    assert of_the_version_before(3, {"actor": "llama"}, reward_model_weight=0.0).action == SKIP  # (no reward model)
 
 
 def test_a_step3_output_of_version_1_trains_again_only_where_it_kept_an_ema_or_masked_truncated_answers(tmp_path):
@@ -1290,27 +1343,38 @@ def test_a_step3_output_of_version_1_trains_again_only_where_it_kept_an_ema_or_m
     skipped, saying so."""
     from dschat.steps.common import older_step_version
 
-    assert STEP_VERSIONS["step3"] == 2
+    assert STEP_VERSIONS["step3"] == 3
+    # (version 3's change reaches outputs of some families alone: these are of none of them)
+    for folder in (tmp_path / FOLDERS[3] / "actor", tmp_path / "rm"):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text('{"model_type": "llama"}')
 
     def step3_of_version_1(**flags):
-        finish(tmp_path, 3, 300, **flags)
+        finish(tmp_path, 3, 300, critic_model_name_or_path=str(tmp_path / "rm"), **flags)
         record_file = tmp_path / FOLDERS[3] / "training_args.json"
         record = json.loads(record_file.read_text())
         record_file.write_text(json.dumps({**record, STEP_VERSION: 1}))
-        return plan_steps([3], "ppo", str(tmp_path), {3: Namespace(**{**vars(FLAGS), **flags})})[3]
+        now = {**vars(FLAGS), "critic_model_name_or_path": str(tmp_path / "rm"), **flags}
+        return plan_steps([3], "ppo", str(tmp_path), {3: Namespace(**now)})[3]
 
     assert step3_of_version_1(enable_ema=False, mask_truncated_answers=True).action == FRESH
     assert step3_of_version_1(enable_ema=False, mask_truncated_answers=False) == (
-        SKIP, "its output is step_version 1 of step3 (2 now), which trained it as this dschat does: version 2 changed "
+        SKIP, "its output is step_version 1 of step3 (3 now), which trained it as this dschat does: version 2 changed "
               "--enable_ema's average (a skipped optimizer step no longer ticks it) and, within version 1, "
               "--mask_truncated_answers' steps of no token (skipped, not taken with zero gradients), which an output "
-              "without --enable_ema and without --mask_truncated_answers does not meet")
+              "without --enable_ema and without --mask_truncated_answers does not meet; version 3 changed "
+              f"{STEP_VERSION_CHANGES[('step3', 3)].said}, which leaves an output whose actor, critic and reward model "
+              "are of none of deepseek_v4, recurrent_gemma, rwkv, xlstm alike")
     assert step3_of_version_1(enable_ema=False).action == FRESH  # (no --mask_truncated_answers recorded: not told)
     assert step3_of_version_1(enable_ema=True, mask_truncated_answers=False).why.endswith(
-        "is an older dschat's (step_version 1 of step3, 2 now: STEP_VERSIONS in dschat/steps/common.py says what "
+        "is an older dschat's (step_version 1 of step3, 3 now: STEP_VERSIONS in dschat/steps/common.py says what "
         "changed), which may have trained it otherwise")
     assert step3_of_version_1().action == FRESH  # (no --enable_ema recorded: not told)
-    # without its record (a checkpoint's state keeps some flags only): every change said to reach it
+    # without its record (a checkpoint's state keeps some flags only): every change said to reach it; with its record
+    # and no output folder, version 3's too (the families of its models unknown)
+    spared = {"flags": {"enable_ema": False, "mask_truncated_answers": False,
+                        "critic_model_name_or_path": str(tmp_path / "rm")}, "step": "step3"}
     assert older_step_version(1, "step3", "state.json", "checkpoint", "") is not None
-    assert older_step_version(1, "step3", "state.json", "checkpoint", "",
-                              {"flags": {"enable_ema": False, "mask_truncated_answers": False}}) is None
+    assert older_step_version(1, "step3", "state.json", "checkpoint", "", spared) is not None
+    assert older_step_version(1, "step3", "training_args.json", "output", "", spared,
+                              str(tmp_path / FOLDERS[3])) is None

@@ -1,4 +1,5 @@
 """What the training steps share: set-up, data loaders, the DeepSpeed engine, progress and metrics."""
+import functools
 import json
 import os
 import socket
@@ -12,11 +13,12 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from dschat.errors import UsageError
+from dschat.models.left_padding import LEFT_PADDING_MOVES_SCORES
 from dschat.models.training_engine import check_schedule_reaches_its_end, initialize_engine, released_engines
 from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.report import counted
-from dschat.run_layout import FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
+from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR, FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
 from dschat.utils.checkpoints import DATA_FILES, DATA_FILES_FLAGS, DATA_SOURCE_FLAGS, HUB_DATA, UNSUPERVISED_DATA
 from dschat.utils.dist import (all_reduce, barrier, check_same_on_every_rank, ensure_distributed, gathered_objects,
                                get_world_size, is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
@@ -379,13 +381,20 @@ REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path an
 #    spans the no-token skip of --mask_truncated_answers (ba9774c, 0fcfa1d, 4ffe81f, none of them a bump): an older
 #    version 1 took an optimizer step of zero gradients there, which Adam's momentum still moves the weights by (the
 #    same output without --enable_ema and without --mask_truncated_answers: STEP_VERSION_CHANGES)
+# step1 2, step2 2, step2_dpo 3, step3 3 (session 59, 88d3ac3, 12231cc, 53f9454): an RWKV model is saved with its
+#    weights as trained (its last eval-mode forward had divided some in place, transformers' rescale_every, and the save
+#    kept them divided), and the value head's width probe no longer divides an RWKV backbone's loaded weights (the
+#    reward model and step 3's critic and reward model trained or scored from them). step3 3 also (sessions 59-60,
+#    341d908, 56abe06, f772be9, ba61fe6): an actor of a LEFT_PADDING_MOVES_SCORES family generates each row (HF
+#    generate) or each prompt length (the hybrid engine) without its padding, and RecurrentGemma's module-held states
+#    start fresh at each generation. These reach outputs of those families alone (``VersionChange.model_types``).
 # The rule ``train.py --resume`` keeps a finished output by: an older version, or none, trains the step again where a
 # change since reaches it (``STEP_VERSION_CHANGES``: a version with no entry reaches every output; the dschat without
 # a version is any of many, whose steps and data formats changed often); within this version, a flag added since with
 # a new default that trains otherwise is read as the value the output trained with (``args.FLAGS_BEFORE_RECORDED``)
 # and compared as any flag (step 1's --loss_agg by how it weighs a step's tokens, ``step1_loss_weighing``): a precise
 # alternative to a bump, which would train such an output again under any value.
-STEP_VERSIONS = {"step1": 1, "step2": 1, "step2_dpo": 2, "step3": 2}
+STEP_VERSIONS = {"step1": 2, "step2": 2, "step2_dpo": 3, "step3": 3}
 STEP_VERSION = "step_version"
 
 
@@ -393,10 +402,13 @@ class VersionChange(NamedTuple):
     """What version N of a step changed (``said``), and which outputs of the version before it it reaches:
     ``reaches(record)``, whether the run recorded as ``record`` (its training_args.json: its "flags" and "world_size")
     trained otherwise than this version does with the same flags, True where the record cannot tell (a flag it lacks);
-    ``spared``: the outputs it does not reach (a clause after ``said``), said where one is skipped."""
+    ``spared``: the outputs it does not reach (a clause after ``said``), said where one is skipped; ``model_types``:
+    the backbone families (config.model_type) whose outputs alone it changed, an output of none of them spared
+    (``output_model_types``; None: every family's)."""
     said: str
     reaches: Callable
     spared: str
+    model_types: frozenset = None
 
 
 def _recorded(record):
@@ -427,6 +439,21 @@ def ema_or_no_token_steps(record):
     return any(flags.get(name) is not False for name in ("enable_ema", "mask_truncated_answers"))
 
 
+def whatever_its_flags(record):
+    """A change that reaches every output of its families (``VersionChange.model_types``) whatever it recorded."""
+    return True
+
+
+RWKV = frozenset({"rwkv"})
+RWKV_SAVE = ("how an RWKV model is saved (its weights as trained: its last eval-mode forward had divided some in "
+             "place, transformers' rescale_every, and the save kept them divided)")
+RWKV_PROBE = "the RWKV weights the value head's width probe, run on the loaded backbone, left divided"
+RWKV_SPARED = "which leaves an output of another family than RWKV alike"
+# An actor of these families generates each row (HF generate) or each prompt length (the hybrid engine) without its
+# padding, RecurrentGemma from fresh states each time (an RWKV critic or reward model: RWKV_PROBE).
+LEFT_PADDING_GENERATION = ("how an actor of a family whose outputs left padding moves generates (without its padding; "
+                           "RecurrentGemma from fresh states)")
+
 STEP_VERSION_CHANGES = {
     ("step2_dpo", 2): VersionChange("how --rpo_alpha's NLL term is weighed (by --loss_agg; 1 took each micro-batch's own "
                                     "mean)", rpo_term_weighed_otherwise,
@@ -437,26 +464,98 @@ STEP_VERSION_CHANGES = {
                                 "gradients)", ema_or_no_token_steps,
                                 "which an output without --enable_ema and without --mask_truncated_answers does not "
                                 "meet"),
+    ("step1", 2): VersionChange(RWKV_SAVE, whatever_its_flags, RWKV_SPARED, RWKV),
+    ("step2", 2): VersionChange(f"{RWKV_SAVE} and {RWKV_PROBE}", whatever_its_flags, RWKV_SPARED, RWKV),
+    ("step2_dpo", 3): VersionChange(RWKV_SAVE, whatever_its_flags, RWKV_SPARED, RWKV),
+    ("step3", 3): VersionChange(f"{RWKV_SAVE}, {RWKV_PROBE} (its critic's and reward model's) and "
+                                f"{LEFT_PADDING_GENERATION}", whatever_its_flags,
+                                "which leaves an output whose actor, critic and reward model are of none of "
+                                f"{', '.join(sorted(LEFT_PADDING_MOVES_SCORES))} alike",
+                                frozenset(LEFT_PADDING_MOVES_SCORES)),
 }
 
 
-def version_changes_since(then, name, record):
+def version_changes_since(then, name, record, folder=None):
     """(reached, spared): the versions of step ``name`` after ``then`` up to this dschat's, split by whether their
-    change reaches the output or checkpoint recorded as ``record`` (``STEP_VERSION_CHANGES``; None: unknown, reached)."""
+    change reaches the output or checkpoint recorded as ``record`` (``STEP_VERSION_CHANGES``; None: unknown, reached)
+    and, for a change of some families alone, made in ``folder`` (the finished output's: ``output_model_types``; None,
+    a checkpoint's: reached)."""
+    families = functools.cache(lambda: None if folder is None else output_model_types(folder, record))
     reached, spared = [], []
     for version in range(then + 1, STEP_VERSIONS[name] + 1):
         change = STEP_VERSION_CHANGES.get((name, version))
-        (reached if change is None or record is None or change.reaches(record) else spared).append(version)
+        (reached if _change_reaches(change, record, families) else spared).append(version)
     return reached, spared
 
 
-def older_step_version(then, name, where, made, remedy, record=None):
+def _change_reaches(change, record, families):
+    """Whether ``change`` (None: a version with no entry, every output) reaches the output or checkpoint recorded as
+    ``record`` (None: unknown, reached), whose models are of the families ``families()`` (None: unknown)."""
+    if change is None or record is None:
+        return True
+    if change.model_types is not None and families() is not None and not families() & change.model_types:
+        return False  # (an output of other families)
+    return change.reaches(record)
+
+
+# A finished output's model folders, by step (their config.json names each one's family): step 3's actor, its EMA copy
+# and critic (those it saved), the other steps' folder itself.
+SAVED_MODEL_FOLDERS = {"step3": (ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR)}
+
+
+def output_model_types(folder, record):
+    """The backbone families (config.model_type) of the models the finished output in ``folder`` (``record``: its
+    training_args.json) was made with, that a version change of some families alone is judged by
+    (``VersionChange.model_types``): those it saved, read from their config.json beside its record (older outputs
+    have them too: nothing needs recording), and step 3's reward model, which it does not save (its recorded path's
+    config.json, a local folder or the hub cache's copy). None where any cannot be read: every change reaches it."""
+    record = record or {}
+    subfolders = SAVED_MODEL_FOLDERS.get(record.get("step"))
+    folders = [os.path.join(folder, sub) for sub in subfolders] if subfolders else [folder]
+    types = [_model_type_in(path) for path in folders if os.path.isdir(path)]
+    flags = _recorded(record)
+    if record.get("step") == "step3" and flags.get("reward_model_weight", 1.0):  # (0: it scored with none)
+        types.append(_model_type_in(_reward_model_path(flags, record.get("cwd", os.getcwd()))))
+    return frozenset(types) if types and None not in types else None
+
+
+def _reward_model_path(flags, cwd):
+    """The reward model of step 3's recorded ``flags`` (``loaded_model_paths``' rule: --reward_model_name_or_path,
+    else --critic_model_name_or_path), a local one as its path from ``cwd``; None where they name none."""
+    path = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
+    if not isinstance(path, str):
+        return None
+    local = os.path.join(cwd, path)
+    return local if os.path.isdir(local) else path
+
+
+def _model_type_in(path):
+    """config.model_type of the model in folder or hub name ``path``, from its config.json on this machine (a hub
+    model's in the hub cache: no download); None where it cannot be read."""
+    if path is None:
+        return None
+    config = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            config = try_to_load_from_cache(path, "config.json")
+        except Exception:  # (not a hub name: unknown)
+            return None
+        if not isinstance(config, str):
+            return None
+    saved = read_json_object(config)
+    return saved.get("model_type") if saved else None
+
+
+def older_step_version(then, name, where, made, remedy, record=None, folder=None):
     """How version ``then`` of step ``name`` (``STEP_VERSION``), read from ``where`` (the file that records it, a step's
     ``made``: "output" or "checkpoint"), is an older dschat's than this one (``STEP_VERSIONS``) whose changes since
     reach it (``version_changes_since``; ``record``: what ``where`` recorded of its run, None: every change reaches
-    it): the words to say of it ("of a dschat from before ...", "an older dschat's (...)"), None where it is this
-    dschat's or no change since reaches it. A newer dschat's (or a value no dschat records) is a UsageError naming
-    ``where``, with ``remedy``: what to do instead."""
+    it; ``folder``: an output's, whose models' families a change of some families alone is judged by): the words to
+    say of it ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's or no change
+    since reaches it. A newer dschat's (or a value no dschat records) is a UsageError naming ``where``, with
+    ``remedy``: what to do instead."""
     now = STEP_VERSIONS.get(name)
     if then is None:
         return f"of a dschat from before its {made}s recorded the step's version (no {STEP_VERSION} in {where})"
@@ -464,18 +563,18 @@ def older_step_version(then, name, where, made, remedy, record=None):
         latest = f"its latest is {now}" if now is not None else "nor a step of that name"
         raise UsageError(f"{where} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
                          f"({latest}): a newer dschat's {made}, whose step this one may train otherwise. {remedy}")
-    if then < now and version_changes_since(then, name, record)[0]:
+    if then < now and version_changes_since(then, name, record, folder)[0]:
         return (f"an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: STEP_VERSIONS in "
                 "dschat/steps/common.py says what changed)")
     return None
 
 
-def spared_by_versions_since(then, name, record):
+def spared_by_versions_since(then, name, record, folder=None):
     """Where an older version ``then`` of step ``name`` is kept as this dschat's (``older_step_version`` None: no
-    change since reaches ``record``), the words saying so; else ""."""
+    change since reaches ``record``, the output in ``folder``), the words saying so; else ""."""
     if not isinstance(then, int) or type(then) is bool or then >= STEP_VERSIONS.get(name, then):
         return ""
-    reached, spared = version_changes_since(then, name, record)
+    reached, spared = version_changes_since(then, name, record, folder)
     if reached:
         return ""
     changes = [STEP_VERSION_CHANGES[(name, version)] for version in spared]
