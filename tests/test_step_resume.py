@@ -1904,6 +1904,40 @@ def test_a_dpo_checkpoint_resumes_with_another_sft_only_data_path_which_dpo_neve
     assert "resumed from step 1 " in capsys.readouterr().out
 
 
+def test_a_step_resumed_after_its_input_was_trained_again_records_the_input_it_started_from(tmp_path, distributed,
+                                                                                              monkeypatch):
+    """A record keeps the last run's view: a step 2 interrupted, step 1 trained again into its folder, then step 2
+    resumed by its own --resume (which does not refuse it: the checkpoint holds its weights) recorded the new step-1
+    output's run id among its inputs, though its weights grew from the old one; train.py --resume then kept step 2 as
+    made from the present step 1 (it plans such a step 2 afresh itself). A resumed run records, for a folder whose
+    model changed since, the run its checkpoint started from (``input_runs``), its checkpoints too."""
+    from dschat.args import step1_parser, step2_parser
+    from dschat.pipeline_resume import FRESH, plan_steps
+    from dschat.steps.common import finished_run_id
+
+    data = ["--data_output_path", str(tmp_path / "data")]
+    step1 = [*SMALL, *data, "--model_name_or_path", "tiny-llama", "--output_dir", str(tmp_path / "step1_sft"),
+             "--max_steps", "1"]
+    sft.main(step1)
+    first = finished_run_id(str(tmp_path / "step1_sft"))
+    step2 = [*SMALL, *data, "--model_name_or_path", str(tmp_path / "step1_sft"), "--output_dir",
+             str(tmp_path / "step2_rm"), "--max_steps", "2"]
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            reward.main([*step2, "--save_interval", "1"])
+    sft.main(step1)  # step 1 again, into the same folder: another run
+    assert finished_run_id(str(tmp_path / "step1_sft")) != first
+    reward.main([*step2, "--resume", "--save_interval", "1"])
+    record = json.loads((tmp_path / "step2_rm" / "training_args.json").read_text())
+    assert list(record["inputs"].values()) == [first]
+    state = json.loads((tmp_path / "step2_rm" / "checkpoints" / "trainer" / "step_0000002" / "state.json").read_text())
+    assert list(state["inputs"].values()) == [first]  # (a later resume of it reads the same)
+    plan = plan_steps([1, 2], "ppo", str(tmp_path), {1: step1_parser().parse_args(step1),
+                                                     2: step2_parser().parse_args(step2)}, world_size=1)
+    assert plan[2].action == FRESH
+
+
 def test_resuming_with_another_data_path_names_as_edited_only_the_files_both_runs_read(tmp_path):
     """A resume given another --data_path was refused with "--data_path ['a.jsonl'] -> ['b.jsonl']; the content of its
     data files changed since: a.jsonl, b.jsonl", as if the checkpoint's file had been edited. The files another

@@ -723,13 +723,29 @@ def step_data_records(args, saved=None):
 
 def input_runs(args):
     """{folder: run id} of the finished step outputs among the models this step loads: kept with its output and its
-    checkpoints, so that ``train.py --resume`` knows which outputs they were made from (not file times)."""
+    checkpoints, so that ``train.py --resume`` knows which outputs they were made from (not file times). A resumed
+    run's are its checkpoint's where a folder holds another model since (``keep_resumed_inputs``)."""
     runs = {}
     for path in loaded_model_paths(args):
         run = model_identity(path) if os.path.isdir(path) else None
         if run is not None:
             runs[os.path.abspath(path)] = run
-    return runs
+    started = getattr(args, "_resumed_inputs", None)
+    if started is None:
+        return runs
+    # (the checkpoint's run's models, a moved folder's by its path now; a model new to this run, at a path the
+    # checkpoint's did not load; not a folder that holds another model than the checkpoint's run loaded from it)
+    return {**{path: run for path, run in started.items() if run not in runs.values()},
+            **{path: run for path, run in runs.items() if run in started.values() or path not in started}}
+
+
+def keep_resumed_inputs(args, position):
+    """A run resumed from a checkpoint (``position``: its state) records the models its checkpoint's run started from
+    (``input_runs``), in its output and its own checkpoints: its weights grew from them, whatever their folders hold
+    now. (A step's own --resume does not refuse a step 1 trained again into its --model_name_or_path, say, whose
+    new run id its output recorded: train.py --resume, which trains such a step afresh, then kept it as made from the
+    new one.) A checkpoint that recorded none, or no resume (None), leaves this run's."""
+    args._resumed_inputs = (position or {}).get("inputs")
 
 
 LEGACY_FILES_IDENTITY = "files:"  # (a model_identity recorded before the tokenizer files counted)

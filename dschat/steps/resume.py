@@ -22,7 +22,7 @@ from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (STEP_VERSION, STEP_VERSIONS, TOKENIZER_KEY, check_same_start, check_same_tokenizer,
-                                 input_runs, recorded_data_flags, restart_deepspeed_tensorboard,
+                                 input_runs, keep_resumed_inputs, recorded_data_flags, restart_deepspeed_tensorboard,
                                  resumed_save_interval, say_a_changed_schedule, schedule_length_flags,
                                  step_data_records, taken_data_flags)
 from dschat.utils.checkpoints import (DATA_SOURCE_FLAGS, MODEL, STEP_NAME, ResumePlan, check_complete,
@@ -376,6 +376,7 @@ def resume_or_afresh(load, root, args, name, total, unit="step", plan=None):
     ``plan`` (the ``ResumePlan`` ``load`` restored) loaded on another number of ranks or at another ZeRO stage
     (``remove_universal_copies``)."""
     position = load() if args.resume else None
+    keep_resumed_inputs(args, position)
     if position is not None:
         split = split_said(plan, args)
         if position[unit] > total:
