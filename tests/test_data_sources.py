@@ -2269,3 +2269,54 @@ def test_the_data_fields_help_names_every_field_that_can_be_renamed():
     assert checked_field_options({name: "x" for name in renamable})  # (the list the loader accepts)
     action = next(a for a in step1_parser()._actions if "--data_fields" in a.option_strings)
     assert [name for name in renamable if f"{name}=" not in action.help] == []
+
+
+def link_into_hub_cache(snapshot):
+    """A download of the snapshot folder ``snapshot`` as the hub client lays it out: each file moved to the repository's
+    blobs/ under the sha256 of its content (the hub's name of a large file's blob) and linked back from the snapshot."""
+    import hashlib
+
+    blobs = snapshot.parent.parent / "blobs"
+    blobs.mkdir(exist_ok=True)
+    for path in sorted(p for p in snapshot.rglob("*") if p.is_file()):
+        blob = blobs / hashlib.sha256(path.read_bytes()).hexdigest()
+        path.replace(blob)
+        path.symlink_to(os.path.relpath(blob, path.parent))
+
+
+def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, monkeypatch, tokenizer):
+    """The tokenized data's cache key holds each data file's sha256: a hub cache download's shards (c4's en: ~300 GB)
+    were read whole for it, in each process, though the hub client names each one's blob by that very hash. A file
+    outside a hub cache is still read for it, and an edit of it still gets a new cache."""
+    import hashlib
+
+    from huggingface_hub import constants
+
+    from dschat.data import local
+    from dschat.data.pipeline import create_prompt_dataset
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
+             "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
+    repo = tmp_path / "hub" / "datasets--Dahoas--rm-static"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    write_hub_download(snapshot, {"train": rows[:15], "test": rows[15:]})
+    link_into_hub_cache(snapshot)
+    shards = sorted(snapshot.glob("data/*.parquet"))
+    hashed = []
+    file_digest = hashlib.file_digest
+    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+
+    assert [local.file_digest(str(shard)) for shard in shards] == \
+        [hashlib.sha256(shard.read_bytes()).hexdigest() for shard in shards]  # (its blob's name: the same key)
+    train, _ = create_prompt_dataset(0, ["Dahoas/rm-static"], "10,0,0", str(tmp_path / "out"), 1, 1234, tokenizer, 128)
+    assert len(train) == 15 and hashed == []
+    # (a copy of them outside it, one of them edited, is read for its hash, and gets a cache of its own)
+    copy = tmp_path / "copy"
+    shutil.copytree(snapshot, copy)
+    write_records(rows[:14], next((copy / "data").glob("train-*.parquet")), "parquet")
+    train, _ = create_prompt_dataset(0, [f"parquet:{copy}"], "10,0,0", str(tmp_path / "out"), 1, 1234, tokenizer, 128)
+    assert len(train) == 14 and sorted(map(os.path.basename, set(hashed))) == [shard.name for shard in shards]

@@ -419,10 +419,29 @@ class LocalSource:
 
 
 def file_digest(path):
-    """The sha256 of a file's content, computed once per process for each (path, size, change time: a write sets it
-    and ``touch`` cannot set it back)."""
+    """The sha256 of a file's content: a hub cache's file by the name of the blob it links to, where the hub client
+    named it so (``hub_blob_sha256``), else computed once per process for each (path, size, change time: a write sets
+    it and ``touch`` cannot set it back)."""
+    if blob := hub_blob_sha256(path):
+        return blob
     st = os.stat(path)
     return _file_digest(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_blob_sha256(path):
+    """The sha256 of the content of a file of a Hugging Face hub cache (``REPO_TYPEs--ORG--NAME/snapshots/COMMIT/...``,
+    a link to ``blobs/SHA256``), read from its blob's name, else None. The hub client names a large (LFS) file's blob
+    by its content's sha256, the hash computed here otherwise: a c4 config's gzip'd shards or a dataset's parquet
+    shards were read whole (~300 GB for c4's en) for the tokenized data's cache key, each process. A small file's blob
+    is named by its git hash (40 digits, another hash), and is read. (A blob edited in place would keep its name: the
+    hub client, too, takes the name for the content.)"""
+    folder, name = os.path.split(os.path.realpath(path))
+    repo, blobs = os.path.split(folder)
+    in_hub_cache = blobs == "blobs" and os.path.basename(repo).startswith(("datasets--", "models--", "spaces--"))
+    return name if in_hub_cache and _SHA256_HEX.fullmatch(name) else None
 
 
 @functools.lru_cache(maxsize=4096)
