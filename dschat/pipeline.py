@@ -812,7 +812,7 @@ def run_step(main, argv, step, steps, plan, args):
 
 def run_pipeline(args):
     """Run the requested steps in order and write the report; returns the report dict."""
-    from dschat.data.raw_datasets import HUB_COPIES, reads_kept
+    from dschat.data.raw_datasets import HUB_CACHES, HUB_COPIES, reads_kept
     from dschat.report import write_unfinished_report
     from dschat.steps import dpo, ppo, reward, sft
 
@@ -833,9 +833,9 @@ def run_pipeline(args):
     parsers = {step: (*run, step_parser(step, recipe)) for step, run in parsers.items()}  # (step_argv's parsers too)
     steps, not_run = recipe_steps(recipe, args.step)
     say_left_out_steps(args, steps, not_run)
-    # the steps run in this process: a local copy under a hub name that the pre-flight loaded is the steps' too (its
-    # Arrow tables are memory-mapped, not held in memory)
-    with reads_kept(HUB_COPIES):
+    # the steps run in this process: a local copy under a hub name, or a hub dataset read offline from the caches, that
+    # the pre-flight loaded is the steps' too (its Arrow tables are memory-mapped, not held in memory)
+    with reads_kept(HUB_COPIES, HUB_CACHES):
         parsed = check_step_args(steps, args, tiny, {step: parser for step, (_, _, parser) in parsers.items()})
         check_writable_folder(args.output_dir, "--output-dir")
         plan = resume_plan(steps, args, parsed, tiny)

@@ -1,8 +1,9 @@
 """train.py's pre-flight reads each data file once, and the steps it runs in-process read no local copy of a hub
-dataset again that it loaded."""
+dataset again that it loaded, nor a hub dataset it loaded offline from the caches."""
 import os
 import runpy
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,85 @@ def test_a_link_up_out_of_a_data_folder_is_not_walked(tmp_path):
     (folder / "train" / "back").symlink_to(folder, target_is_directory=True)
     (folder / "up").symlink_to(tmp_path / "data", target_is_directory=True)
     assert local.all_files(str(folder)) == [str(folder / "train" / "part.arrow")]
+
+
+def write_rm_static_in_datasets_cache(tmp_path):
+    """Dahoas/rm-static in datasets' cache, as a load from the hub leaves it (``write_hub_revision``)."""
+    import datasets
+    from test_data_pipeline import hub_rows, write_hub_revision
+
+    write_hub_revision(Path(datasets.config.HF_DATASETS_CACHE), "aaaa", hub_rows(" Hello."))
+    return {}
+
+
+def write_rm_static_in_hub_cache(tmp_path):
+    """Dahoas/rm-static downloaded into the hub cache (hf download without --local-dir): {its shard: 1}."""
+    import pandas as pd
+
+    snapshot = tmp_path / "hub" / "datasets--Dahoas--rm-static" / "snapshots" / ("0" * 40)
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    shards = [snapshot / "data" / f"{split}-00000-of-00001.parquet" for split in ("train", "test")]
+    for shard in shards:
+        pd.DataFrame([{"prompt": f"\n\nHuman: Hi {i}?\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
+                       "rejected": " No."} for i in range(8)]).to_parquet(shard)
+    return {str(shard.resolve()): 1 for shard in shards}
+
+
+@pytest.mark.parametrize("write", [write_rm_static_in_datasets_cache, write_rm_static_in_hub_cache])
+def test_step_1_loads_no_hub_dataset_again_that_train_pys_pre_flight_loaded_offline(tmp_path, distributed,
+                                                                                   monkeypatch, write):
+    """train.py --data-path Dahoas/rm-static offline (the tests' HF_HUB_OFFLINE=1), the dataset in datasets' cache or
+    downloaded into the hub cache: the pre-flight loaded it (check_hub_data_at_hand) and step 1, run in the same
+    process, loaded it again (the download's files read again); a revision added since is loaded anew."""
+    from huggingface_hub import constants
+
+    from dschat import pipeline
+    from dschat.data import base
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    shard_reads = write(tmp_path)
+    loads, load_hub_dataset = [], base.load_hub_dataset
+    monkeypatch.setattr(base, "load_hub_dataset", lambda name, *a, **k: loads.append(name) or
+                        load_hub_dataset(name, *a, **k))
+    reads = counted_reads(monkeypatch)
+    monkeypatch.setattr(common, "require_training_records", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    argv = ["--step", "1", "--output-dir", str(tmp_path / "out"), "--data-path", "Dahoas/rm-static"]
+    with pytest.raises(Ran):  # (step 1 ran up to its tokenized data)
+        pipeline.run_pipeline(train_py_args(argv))
+    assert loads == ["Dahoas/rm-static"] and reads == shard_reads
+
+
+def test_a_kept_hub_dataset_read_offline_is_loaded_again_once_a_revision_is_added(tmp_path, monkeypatch):
+    """Kept while the caches hold what they held: a revision added to datasets' cache since (which datasets loads,
+    the latest) is loaded, not the kept one."""
+    import time
+
+    import datasets
+
+    from dschat.data import base
+    from dschat.data.raw_datasets import HUB_CACHES, get_raw_dataset, reads_kept
+    from test_data_pipeline import hub_rows, write_hub_revision
+
+    hf_cache = Path(datasets.config.HF_DATASETS_CACHE)
+    write_hub_revision(hf_cache, "aaaa", hub_rows(" Hello."))
+    loads, load_hub_dataset = [], base.load_hub_dataset
+    monkeypatch.setattr(base, "load_hub_dataset", lambda name, *a, **k: loads.append(name) or
+                        load_hub_dataset(name, *a, **k))
+
+    def chosen():
+        return get_raw_dataset("Dahoas/rm-static", None, 1234, -1).get_train_data()[0]["chosen"]
+
+    with reads_kept(HUB_CACHES):
+        assert [chosen(), chosen()] == [" Hello.", " Hello."] and len(loads) == 1
+        os.utime(hf_cache / "Dahoas___rm-static" / "default" / "0.0.0" / "aaaa", (time.time() - 60,) * 2)
+        write_hub_revision(hf_cache, "bbbb", hub_rows(" Hello again."))
+        assert chosen() == " Hello again." and len(loads) == 2
+
+
+def test_a_hub_dataset_read_with_the_hub_at_hand_is_not_kept(reachable_hub):
+    """Online, a load may fetch a revision the caches lack: nothing identifies it before it is loaded."""
+    from dschat.data.raw_datasets import hub_caches_stamp
+
+    assert hub_caches_stamp("Dahoas/rm-static") is None

@@ -397,19 +397,38 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_pa
         def hub_reader(raw_datasets=None):
             return resolved(output_path, seed, local_rank, flag=flag, raw_datasets=raw_datasets)
 
-        if not is_local_hub_copy(dataset_name):
-            return hub_reader()
-        # (the copy's data, read once; the reader made anew with this caller's seed, output path and flag)
-        return hub_reader(_read_once(HUB_COPIES, lambda: (dataset_name, files_stamp([dataset_name])),
-                                     lambda: hub_reader().raw_datasets))
+        if is_local_hub_copy(dataset_name):
+            kind, key = HUB_COPIES, lambda: (dataset_name, files_stamp([dataset_name]))
+        else:
+            kind, key = HUB_CACHES, lambda: hub_caches_stamp(dataset_name)
+        # (the data read once; the reader made anew with this caller's seed, output path and flag)
+        return hub_reader(_read_once(kind, key, lambda: hub_reader().raw_datasets))
     # (a local reader's load depends on its field names; its seed, output path and rank hold its eval share's indices)
     return _read_once(LOCAL_FILES, lambda: (dataset_name, output_path, seed, local_rank,
                                             repr(sorted(field_options.items())), files_stamp(resolved.files)),
                       lambda: LocalDataset(resolved, output_path, seed, local_rank, field_options))
 
 
-# What a ``reads_kept`` block may keep: local data's readers; the data of a local copy under a hub name.
-LOCAL_FILES, HUB_COPIES = "local files", "local copies of hub datasets"
+def hub_caches_stamp(name):
+    """What a load of the hub dataset ``name`` reads while the hub is not asked (offline, or out of reach): the files
+    of its folders in datasets' cache and in the hub cache (a download of it), stamped (``files_stamp``): another
+    stamp where a revision was added since. None with the hub at hand: a load may fetch another revision."""
+    import datasets
+    from huggingface_hub import constants
+
+    from dschat.models.loading import hub_unavailable
+    from .local import files_stamp
+
+    if not hub_unavailable():
+        return None
+    folders = (os.path.join(datasets.config.HF_DATASETS_CACHE, name.replace("/", "___")),
+               os.path.join(constants.HF_HUB_CACHE, f"datasets--{name.replace('/', '--')}"))
+    return name, folders, files_stamp(folders)
+
+
+# What a ``reads_kept`` block may keep: local data's readers; the data of a local copy under a hub name; that of a
+# hub dataset read offline from the caches.
+LOCAL_FILES, HUB_COPIES, HUB_CACHES = "local files", "local copies of hub datasets", "hub datasets read offline"
 _KEPT = {}  # {kind: {key: what was read}} of the kinds the open ``reads_kept`` blocks keep
 
 
@@ -417,8 +436,8 @@ _KEPT = {}  # {kind: {key: what was read}} of the kinds the open ``reads_kept`` 
 def reads_kept(*kinds):
     """Inside it, ``get_raw_dataset`` reads the files of each of ``kinds`` once: a later reader of the same files,
     unchanged, gets what the first read (train.py's pre-flight checks each step's data; the steps it runs in-process
-    read the local copies of hub datasets it loaded). What was read is let go when the block that opened its kind
-    ends."""
+    read the local copies of hub datasets it loaded, and the hub datasets it loaded offline from the caches). What was
+    read is let go when the block that opened its kind ends."""
     opened = [kind for kind in kinds if kind not in _KEPT]  # (an inner block keeps what an outer one keeps)
     _KEPT.update({kind: {} for kind in opened})
     try:
@@ -429,11 +448,12 @@ def reads_kept(*kinds):
 
 
 def _read_once(kind, key, read):
-    """``read()``, or what it gave earlier for the same ``key()`` where a ``reads_kept`` block keeps ``kind``."""
+    """``read()``, or what it gave earlier for the same ``key()`` where a ``reads_kept`` block keeps ``kind`` (a key
+    of None: read again)."""
     kept = _KEPT.get(kind)
-    if kept is None:
+    key = key() if kept is not None else None
+    if key is None:  # (no block keeps ``kind``, or a key of None: what ``read`` gives may differ now)
         return read()
-    key = key()
     if key not in kept:
         kept[key] = read()
     return kept[key]
