@@ -221,3 +221,37 @@ def test_a_hub_dataset_read_with_the_hub_at_hand_is_not_kept(reachable_hub):
     from dschat.data.raw_datasets import hub_caches_stamp
 
     assert hub_caches_stamp("Dahoas/rm-static") is None
+
+
+def test_step_3_loads_no_unsupervised_hub_data_again_that_train_pys_pre_flight_loaded_offline(tmp_path, distributed,
+                                                                                             monkeypatch, tokenizer):
+    """--step3-args '--unsupervised_dataset_name wikitext --unsupervised_dataset_config_name wikitext-2-raw-v1'
+    offline, downloaded into the hub cache: the pre-flight loaded its train split (check_hub_data_at_hand), and step 3,
+    in the same block (run_pipeline's), loaded it again, its shards read again."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+    from huggingface_hub import constants
+
+    from dschat import pipeline
+    from dschat.data import base
+    from dschat.data.raw_datasets import HUB_CACHES, reads_kept
+    from dschat.data.unsupervised import get_unsupervised_data
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    config = tmp_path / "hub" / "datasets--wikitext" / "snapshots" / ("0" * 40) / "wikitext-2-raw-v1"
+    config.mkdir(parents=True)
+    (config.parents[2] / "refs").mkdir()
+    (config.parents[2] / "refs" / "main").write_text("0" * 40)
+    shards = [config / f"train-0000{shard}-of-00002.parquet" for shard in range(2)]
+    for shard in shards:
+        pd.DataFrame({"text": [f"Document {i} of {shard.name}." for i in range(6)]}).to_parquet(shard)
+    loads, load_hub_dataset = [], base.load_hub_dataset
+    monkeypatch.setattr(base, "load_hub_dataset", lambda name, *a, **k: loads.append(name) or
+                        load_hub_dataset(name, *a, **k))
+    reads = counted_reads(monkeypatch)
+    flags = {"unsupervised_dataset_name": "wikitext", "unsupervised_dataset_config_name": "wikitext-2-raw-v1"}
+    with reads_kept(HUB_CACHES):
+        pipeline.check_hub_data_at_hand(SimpleNamespace(), {3: SimpleNamespace(**flags)})
+        blocks = get_unsupervised_data({**flags, "max_prompt_seq_len": 6, "max_answer_seq_len": 4}, tokenizer)
+    assert len(blocks) > 0 and loads == ["wikitext"] and reads == {str(shard.resolve()): 1 for shard in shards}

@@ -402,9 +402,9 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_pa
         else:
             kind, key = HUB_CACHES, lambda: hub_caches_stamp(dataset_name)
         # (the data read once; the reader made anew with this caller's seed, output path and flag)
-        return hub_reader(_read_once(kind, key, lambda: hub_reader().raw_datasets))
+        return hub_reader(read_once(kind, key, lambda: hub_reader().raw_datasets))
     # (a local reader's load depends on its field names; its seed, output path and rank hold its eval share's indices)
-    return _read_once(LOCAL_FILES, lambda: (dataset_name, output_path, seed, local_rank,
+    return read_once(LOCAL_FILES, lambda: (dataset_name, output_path, seed, local_rank,
                                             repr(sorted(field_options.items())), files_stamp(resolved.files)),
                       lambda: LocalDataset(resolved, output_path, seed, local_rank, field_options))
 
@@ -447,7 +447,7 @@ def reads_kept(*kinds):
             del _KEPT[kind]
 
 
-def _read_once(kind, key, read):
+def read_once(kind, key, read):
     """``read()``, or what it gave earlier for the same ``key()`` where a ``reads_kept`` block keeps ``kind`` (a key
     of None: read again)."""
     kept = _KEPT.get(kind)

@@ -227,9 +227,16 @@ def _without_line_start_marks(lines):
 def load_hub_train(name, config_name=None, flag="--unsupervised_dataset_name"):
     """The train split of the hub dataset ``name`` (``config_name``'s), as step 3 reads it: from datasets' cache, else,
     offline, from its download in the hub cache (``load_hub_dataset_else_download``, as the prompt data's); an error
-    names ``flag`` (train.py's pre-flight: the --step3-args that gave it)."""
-    return load_hub_dataset_else_download(name, flag, lambda folder, copy: downloaded_train(name, folder, copy, flag),
-                                          config_name, split="train")
+    names ``flag`` (train.py's pre-flight: the --step3-args that gave it). Read offline in a ``reads_kept(HUB_CACHES)``
+    block (train.py's pre-flight, then its step 3), loaded once."""
+    from .raw_datasets import HUB_CACHES, hub_caches_stamp, read_once
+
+    def key():
+        stamp = hub_caches_stamp(name)
+        return stamp and ("unsupervised train", config_name, stamp)  # (not the prompt data's splits of the name)
+
+    return read_once(HUB_CACHES, key, lambda: load_hub_dataset_else_download(
+        name, flag, lambda folder, copy: downloaded_train(name, folder, copy, flag), config_name, split="train"))
 
 
 def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
