@@ -1,6 +1,7 @@
 """train.py's pre-flight reads each data file once, and the steps it runs in-process read no local copy of a hub
 dataset again that it loaded, nor a hub dataset it loaded offline from the caches."""
 import os
+import re
 import runpy
 from collections import Counter
 from pathlib import Path
@@ -255,3 +256,20 @@ def test_step_3_loads_no_unsupervised_hub_data_again_that_train_pys_pre_flight_l
         pipeline.check_hub_data_at_hand(SimpleNamespace(), {3: SimpleNamespace(**flags)})
         blocks = get_unsupervised_data({**flags, "max_prompt_seq_len": 6, "max_answer_seq_len": 4}, tokenizer)
     assert len(blocks) > 0 and loads == ["wikitext"] and reads == {str(shard.resolve()): 1 for shard in shards}
+
+
+def test_a_local_file_spelled_otherwise_is_read_once_and_named_as_each_spelling_gives_it(tmp_path, monkeypatch):
+    """./prompts.jsonl, jsonl:prompts.jsonl and its absolute path read the same file: the pre-flight read it for each
+    spelling (--data-path as one, a step's --data_path as another). Read once now; each reader names its spelling."""
+    from dschat.data.errors import DatasetFormatError
+    from dschat.data.raw_datasets import LOCAL_FILES, get_raw_dataset, reads_kept
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "Hi?"}\n' * 4)
+    reads = counted_reads(monkeypatch)
+    with reads_kept(LOCAL_FILES):
+        for spec in ("./prompts.jsonl", "jsonl:prompts.jsonl", str(data), "json:prompts.jsonl"):
+            with pytest.raises(DatasetFormatError, match=rf"^{re.escape(spec)}: has prompts but no answers"):
+                get_raw_dataset(spec, None, 1234, -1).check_usable(1)
+    assert reads == {str(data.resolve()): 2}  # (read as JSON Lines, and as a JSON document: another reader)

@@ -65,6 +65,7 @@ passed through ``get_extra``. Records are checked when the file is loaded: a mal
 record (and its line where known: JSON Lines, CSV) and the field.
 """
 import ast
+import copy
 import functools
 import hashlib
 import json
@@ -1605,8 +1606,22 @@ class LocalDataset(PromptRawDataset):
         self.margin_field = self.fields[MARGIN_FIELD]
         # (a CSV cell holds one message as its JSON text; a JSON or parquet file's text is text: ``_json_list_text``)
         self.csv_cells = "csv" in {source.kind, source.eval_type}
-        self.dataset_name_clean = "tiny" if source.spec == "tiny" else source.name_clean
+        self._name_as(source)
         super().__init__(output_path, seed, local_rank, dataset_name=source.spec, raw_datasets=None)
+
+    def _name_as(self, source):
+        self.dataset_name, self.dataset_name_clean = source.spec, "tiny" if source.spec == "tiny" else source.name_clean
+
+    def spelled_as(self, source):
+        """This reader as one made for ``source``, another spelling of the same files (``./a.jsonl``,
+        ``jsonl:a.jsonl``, its absolute path: ``get_raw_dataset``'s kept reads): the records read, its name and the
+        paths its errors give ``source``'s."""
+        if source == self.source:
+            return self
+        reader = copy.copy(self)
+        reader.source = source
+        reader._name_as(source)
+        return reader
 
     @property
     def eval_split(self):

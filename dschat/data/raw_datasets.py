@@ -403,10 +403,12 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_pa
             kind, key = HUB_CACHES, lambda: hub_caches_stamp(dataset_name)
         # (the data read once; the reader made anew with this caller's seed, output path and flag)
         return hub_reader(read_once(kind, key, lambda: hub_reader().raw_datasets))
-    # (a local reader's load depends on its field names; its seed, output path and rank hold its eval share's indices)
-    return read_once(LOCAL_FILES, lambda: (dataset_name, output_path, seed, local_rank,
-                                            repr(sorted(field_options.items())), files_stamp(resolved.files)),
-                      lambda: LocalDataset(resolved, output_path, seed, local_rank, field_options))
+    # (a local reader's load depends on its files, however spelled, their types and field names; its seed, output path
+    # and rank hold its eval share's indices)
+    return read_once(LOCAL_FILES, lambda: (resolved.kind, resolved.eval_type, len(resolved.train_files), output_path,
+                                           seed, local_rank, repr(sorted(field_options.items())),
+                                           files_stamp(resolved.files)),
+                     lambda: LocalDataset(resolved, output_path, seed, local_rank, field_options)).spelled_as(resolved)
 
 
 def hub_caches_stamp(name):
