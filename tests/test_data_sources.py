@@ -2320,3 +2320,32 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     write_records(rows[:14], next((copy / "data").glob("train-*.parquet")), "parquet")
     train, _ = create_prompt_dataset(0, [f"parquet:{copy}"], "10,0,0", str(tmp_path / "out"), 1, 1234, tokenizer, 128)
     assert len(train) == 14 and sorted(map(os.path.basename, set(hashed))) == [shard.name for shard in shards]
+
+
+def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tmp_path, monkeypatch):
+    """A data file outside the hub cache (c4 downloaded with --local-dir: ~300 GB) was read whole for its hash by every
+    process of every run. Its hash is kept under its stamp: a later process reads none; a write (even one that keeps
+    its size and time, restored with touch -r) is read; a file written just before it was hashed is not kept."""
+    import hashlib
+
+    from dschat.data import local
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    hashed = []
+    file_digest = hashlib.file_digest
+    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+
+    def digest_in_a_new_process():
+        local._file_digest.cache_clear()
+        return local.file_digest(str(data))
+
+    first = digest_in_a_new_process()
+    assert first == hashlib.sha256(data.read_bytes()).hexdigest() and len(hashed) == 1
+    assert digest_in_a_new_process() == first and len(hashed) == 2  # (written just now: not kept)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0, raising=False)  # (as if written long before)
+    assert [digest_in_a_new_process() for _ in range(3)] == [first] * 3 and len(hashed) == 3
+    stat = data.stat()
+    data.write_text('{"prompt": "Hi?", "chosen": "Hullo."}\n')
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert digest_in_a_new_process() == hashlib.sha256(data.read_bytes()).hexdigest() != first and len(hashed) == 4

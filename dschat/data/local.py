@@ -65,12 +65,15 @@ passed through ``get_extra``. Records are checked when the file is loaded: a mal
 record (and its line where known: JSON Lines, CSV) and the field.
 """
 import ast
+import contextlib
 import copy
 import functools
 import hashlib
 import json
 import os
 import re
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -421,12 +424,12 @@ class LocalSource:
 
 def file_digest(path):
     """The sha256 of a file's content: a hub cache's file by the name of the blob it links to, where the hub client
-    named it so (``hub_blob_sha256``), else computed once per process for each (path, size, change time: a write sets
-    it and ``touch`` cannot set it back)."""
+    named it so (``hub_blob_sha256``), else computed once for each stamp of the file (``_file_digest``: a write gives
+    it another)."""
     if blob := hub_blob_sha256(path):
         return blob
     st = os.stat(path)
-    return _file_digest(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return _file_digest(os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -445,10 +448,55 @@ def hub_blob_sha256(path):
     return name if in_hub_cache and _SHA256_HEX.fullmatch(name) else None
 
 
+# Where a file's sha256 is kept for later processes (``_file_digest``), in datasets' cache beside the Arrow caches it
+# keys (``load_content_keyed``); a file changed less than RACY_WINDOW_NS before it was hashed is not kept (a write in the
+# same tick of the file system's clock would leave its change time as it was)
+DIGEST_MEMO_FOLDER, RACY_WINDOW_NS = "dschat_file_sha256", 2 * 10**9
+
+
 @functools.lru_cache(maxsize=4096)
-def _file_digest(path, size, mtime_ns, ctime_ns):
+def _file_digest(path, *stamp):
+    """The sha256 of the file at ``path`` (absolute), whose ``stamp`` is (device, inode, size, modification and change
+    times): kept for later processes under the stamp (``DIGEST_MEMO_FOLDER``), so that a run's every process, and
+    every later run, did not read the data whole again (a c4 config downloaded with --local-dir: ~300 GB each). A write
+    sets the change time, which ``touch`` cannot set back: an edited file has another stamp, and is read."""
+    memo = _digest_memo_path(path, stamp)
+    try:
+        with open(memo, encoding="ascii") as f:
+            kept = f.read()
+        if _SHA256_HEX.fullmatch(kept):
+            return kept
+    except (OSError, ValueError):  # (none kept; a cache folder not readable)
+        pass
+    hashed_at = time.time_ns()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if stamp[-1] < hashed_at - RACY_WINDOW_NS:
+        _keep_digest(memo, digest)
+    return digest
+
+
+def _digest_memo_path(path, stamp):
+    import datasets
+
+    name = hashlib.sha256(repr((path, *stamp)).encode()).hexdigest()
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, DIGEST_MEMO_FOLDER, name[:2], name)
+
+
+def _keep_digest(memo, digest):
+    """Written whole (a reader never sees half of it); a cache folder not writable keeps nothing."""
+    try:
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        handle, written = tempfile.mkstemp(dir=os.path.dirname(memo))
+    except OSError:
+        return
+    try:
+        with os.fdopen(handle, "w", encoding="ascii") as f:
+            f.write(digest)
+        os.replace(written, memo)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(written)
 
 
 def all_files(path):
