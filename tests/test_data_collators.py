@@ -598,8 +598,10 @@ def test_unsupervised_data_in_a_download_folder_is_read_not_a_load_from_disk_tra
     directory") ended step 3 in a traceback. The config's train shards are read now, as the hub cache's download is,
     and the run records those files (not hf's metadata, nor other configs')."""
     import gzip
+    import shutil
 
     from dschat.data.unsupervised import unsupervised_data_record
+    from dschat.errors import MissingInputError
 
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "allenai" / "c4" / "en"
@@ -618,12 +620,60 @@ def test_unsupervised_data_in_a_download_folder_is_read_not_a_load_from_disk_tra
     assert len(data) == sum(len(tokenizer(text)["input_ids"]) + 1 for text in texts) // 10
     assert sorted(unsupervised_data_record("allenai/c4", "en")["files"]) == \
         [str(config / f"c4-train.{shard:05d}-of-00002.json.gz") for shard in range(2)]
+    # a config not downloaded is said so, naming the flag
+    with pytest.raises(MissingInputError, match=r"^--unsupervised_dataset_name allenai/c4: the download here holds "
+                                                 r"no config en\.noblocklist \(its configs: en, realnewslike\)"):
+        get_unsupervised_data(unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en.noblocklist"),
+                              tokenizer)
     # a folder of neither form is said so, naming the flag
+    shutil.rmtree(tmp_path / "allenai" / "c4")
+    (tmp_path / "allenai" / "c4" / "notes").mkdir(parents=True)
     with pytest.raises(DatasetFormatError, match=r"^--unsupervised_dataset_name allenai/c4: the download here is "
                                                  r"neither a save_to_disk folder nor a download of a hub dataset's "
                                                  r"repository"):
-        get_unsupervised_data(unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en.noblocklist"),
-                              tokenizer)
+        get_unsupervised_data(unsupervised_args("allenai/c4"), tokenizer)
+
+
+def test_unsupervised_c4_download_of_configs_without_the_config_named_says_to_name_one(tmp_path, monkeypatch,
+                                                                                       tokenizer):
+    """allenai/c4 keeps each config's shards in a folder of its own (en/, realnewslike/). Its download in the hub
+    cache, offline, without --unsupervised_dataset_config_name, was "not in the datasets cache, and HF_HUB_OFFLINE is
+    set ... download it", though it was downloaded; at ./allenai/c4 it was "neither a save_to_disk folder nor a
+    download of a hub dataset's repository", and a config not downloaded was said so too. Each now names the configs
+    the download holds and the flag that chooses one."""
+    import gzip
+    import shutil
+
+    from huggingface_hub import constants
+
+    from dschat.errors import MissingInputError, UsageError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    repo = tmp_path / "hub" / "datasets--allenai--c4"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    for download, copy, command in ((snapshot, rf"not in the datasets cache, and its download in the hub cache "
+                                               rf"\({re.escape(str(snapshot))}\)", "allenai/c4"),
+                                    (tmp_path / "allenai" / "c4", "the download here", "NAME --local-dir allenai/c4")):
+        for config in ("en", "realnewslike"):
+            (download / config).mkdir(parents=True)
+            (download / config / "c4-train.00000-of-00001.json.gz").write_bytes(
+                gzip.compress(json.dumps({"text": f"A document of {config}."}).encode() + b"\n"))
+        (download / "README.md").write_text("---\nconfigs:\n- config_name: en\n---\n")
+        with pytest.raises(UsageError, match=rf"^--unsupervised_dataset_name allenai/c4: {copy} keeps each config's "
+                                             r"data in a folder of its own \(en, realnewslike\): name the one to "
+                                             r"read with --unsupervised_dataset_config_name"):
+            get_unsupervised_data(unsupervised_args("allenai/c4"), tokenizer)
+        with pytest.raises(MissingInputError, match=rf"^--unsupervised_dataset_name allenai/c4: {copy} holds no "
+                                                    r"config en\.noblocklist \(its configs: en, realnewslike\): "
+                                                    rf"download it \(hf download --repo-type dataset {command} "
+                                                    r"--include 'en\.noblocklist/\*'\), or name one of those with "
+                                                    r"--unsupervised_dataset_config_name"):
+            get_unsupervised_data(unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en.noblocklist"),
+                                  tokenizer)
+        shutil.rmtree(download)  # (the folder here is read before the hub cache's download: written after it)
 
 
 def test_an_unsupervised_record_without_text_is_named_not_a_tokenizer_traceback(tmp_path, tokenizer):

@@ -49,22 +49,31 @@ def load_hub_dataset(name, flag, *args, **kwargs):
 
 
 def hub_cache_download(name, config_name=None):
-    """The folder of the hub dataset ``name``'s download in the hub cache (``hf download --repo-type dataset NAME``
-    without --local-dir: HF_HUB_CACHE/datasets--ORG--NAME/snapshots/COMMIT, its main revision; with ``config_name``,
-    that config's folder in it, as Salesforce/wikitext's wikitext-2-raw-v1/train-00000-of-00002.parquet) where it
-    holds split files dschat reads (``local._hub_split_files``), else None. datasets reads only its own cache offline:
-    such a download was "not in the datasets cache", while the folder's path read as local data."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
+    """The folder of the hub dataset ``name``'s download in the hub cache (``hub_cache_snapshot``; with
+    ``config_name``, that config's folder in it, as Salesforce/wikitext's
+    wikitext-2-raw-v1/train-00000-of-00002.parquet) where it holds split files dschat reads
+    (``local._hub_split_files``), else None. datasets reads only its own cache offline: such a download was "not in
+    the datasets cache", while the folder's path read as local data."""
     from .local import _hub_split_files
 
-    try:
-        folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
-    except LocalEntryNotFoundError:
+    folder = hub_cache_snapshot(name)
+    if folder is None:
         return None
     folder = os.path.join(folder, config_name) if config_name else folder
     return folder if _hub_split_files(folder) else None
+
+
+def hub_cache_snapshot(name):
+    """The folder of the hub dataset ``name``'s download in the hub cache (``hf download --repo-type dataset NAME``
+    without --local-dir: HF_HUB_CACHE/datasets--ORG--NAME/snapshots/COMMIT, its main revision), whatever it holds;
+    None where there is none."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(name, repo_type="dataset", local_files_only=True)
+    except LocalEntryNotFoundError:
+        return None
 
 
 def load_hub_dataset_else_download(name, flag, read_download, config_name=None, **kwargs):

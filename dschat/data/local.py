@@ -719,6 +719,16 @@ def _hub_split_files(folder):
     return {split: files for split, files in splits.items() if split in _SUBSET_SPLIT_NAMES}
 
 
+def hub_config_folders(folder):
+    """The names (sorted) of the subfolders of a hub dataset's download that hold split files of their own
+    (``_hub_split_files``): its configs' folders where its splits are not at its root (allenai/c4's en/ and
+    realnewslike/, Salesforce/wikitext's wikitext-2-raw-v1/), which load_dataset reads one of, the one named."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(entry.name for entry in os.scandir(folder)
+                  if entry.is_dir() and not entry.name.startswith(".") and _hub_split_files(entry.path))
+
+
 def _add_split_files(splits, where, shards, plain):
     """Add the files of the folder ``where`` that hold a split to ``splits`` ({split: [files]}): those named as its
     shards (``shards``: ``_HUB_SPLIT_FILE``), and those named SPLIT.EXT (``plain``: "all", "compressed" or None)."""

@@ -13,8 +13,8 @@ the data report as the prompt data's skipped records are.
 import os
 import re
 
-from dschat.errors import MissingInputError, given_as
-from .base import load_hub_dataset_else_download, splits_said
+from dschat.errors import MissingInputError, UsageError, given_as
+from .base import hub_cache_snapshot, load_hub_dataset_else_download, splits_said
 from .errors import DatasetFormatError
 from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, check_not_compressed, compressed_with,
                     data_spec_where, file_digest, load_content_keyed, load_file, not_utf8_error, only_blank_lines,
@@ -229,14 +229,29 @@ def load_hub_train(name, config_name=None, flag="--unsupervised_dataset_name"):
     offline, from its download in the hub cache (``load_hub_dataset_else_download``, as the prompt data's); an error
     names ``flag`` (train.py's pre-flight: the --step3-args that gave it). Read offline in a ``reads_kept(HUB_CACHES)``
     block (train.py's pre-flight, then its step 3), loaded once."""
+    from dschat.models.loading import hub_unavailable
+
     from .raw_datasets import HUB_CACHES, hub_caches_stamp, read_once
 
     def key():
         stamp = hub_caches_stamp(name)
         return stamp and ("unsupervised train", config_name, stamp)  # (not the prompt data's splits of the name)
 
-    return read_once(HUB_CACHES, key, lambda: load_hub_dataset_else_download(
-        name, flag, lambda folder, copy: downloaded_train(name, folder, copy, flag), config_name, split="train"))
+    def read_download(folder, copy):
+        return downloaded_train(name, folder, copy, flag)
+
+    def load():
+        try:
+            return load_hub_dataset_else_download(name, flag, read_download, config_name, split="train")
+        except MissingInputError:
+            snapshot = hub_unavailable() and hub_cache_snapshot(name)
+            if snapshot:  # (downloaded, with no config named or not the one named: said so, not "not in the cache")
+                check_config_named(given_as(flag, name), snapshot, config_name,
+                                   f"not in the datasets cache, and its download in the hub cache ({snapshot})",
+                                   f"hf download --repo-type dataset {name}")
+            raise
+
+    return read_once(HUB_CACHES, key, load)
 
 
 def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
@@ -264,7 +279,30 @@ def local_copy_train(folder, config_name=None):
 
     if _is_saved_dataset(folder):
         return _saved_train_split(folder)
+    check_config_named(given_as("--unsupervised_dataset_name", folder), folder, config_name, "the download here",
+                       f"hf download --repo-type dataset NAME --local-dir {folder}")
     return downloaded_train(folder, download_folder(folder, config_name), "the download here")
+
+
+def check_config_named(where, download, config_name, copy, command):
+    """A hub dataset's download at ``download`` (``copy``: it as errors say it, after ``where``: the flag and name)
+    whose data is in its configs' folders (``hub_config_folders``: allenai/c4's en/, realnewslike/) is read in the
+    folder of the config named: none named, or one it does not hold, is an error naming the configs it holds and the
+    flag that names one (the hub cache's was "not in the datasets cache ... download it", the folder here "neither a
+    save_to_disk folder nor a download"). ``command``: the one that downloads it, said with the config's folder."""
+    from .local import _hub_split_files, hub_config_folders, names_said
+
+    if _hub_split_files(download_folder(download, config_name)):
+        return
+    configs = hub_config_folders(download)
+    if not configs:  # (no config's data either: the caller says what the download lacks)
+        return
+    if config_name is None:
+        raise UsageError(f"{where}: {copy} keeps each config's data in a folder of its own ({names_said(configs)}): "
+                         "name the one to read with --unsupervised_dataset_config_name")
+    raise MissingInputError(f"{where}: {copy} holds no config {config_name} (its configs: {names_said(configs)}): "
+                            f"download it ({command} --include '{config_name}/*'), or name one of those with "
+                            "--unsupervised_dataset_config_name")
 
 
 def download_folder(folder, config_name=None):
