@@ -389,7 +389,8 @@ def check_one_steps_flags(step, steps, args, tiny, flags, parser):
                              critic_made_later=2 in steps)
         if steps != [3]:  # step 3 alone counts its prompts at once; after other steps, it would count them late
             check_step3_prompts(step3_args(flags), get_world_size())
-            check_unsupervised_file(getattr(flags, "unsupervised_dataset_name", None))
+            check_unsupervised_file(getattr(flags, "unsupervised_dataset_name", None),
+                                    getattr(flags, "unsupervised_dataset_config_name", None))
     else:
         check_supervised_settings(flags, phase=step)
         if step == 2 and getattr(args, "recipe", "ppo") == "dpo":

@@ -676,6 +676,33 @@ def test_unsupervised_c4_download_of_configs_without_the_config_named_says_to_na
         shutil.rmtree(download)  # (the folder here is read before the hub cache's download: written after it)
 
 
+def test_an_unsupervised_download_folder_cut_short_is_said_by_the_pre_flight_check(tmp_path, monkeypatch):
+    """./allenai/c4 (hf download --local-dir) with a shard missing, or without the config named, passed train.py's
+    pre-flight check (check_unsupervised_file checked local files only) and was said by step 3's load, after steps 1
+    and 2 had trained; the same download in the hub cache is loaded by the pre-flight. Its layout is checked before
+    step 1 now (its files are not read: step 3 reads them)."""
+    import gzip
+
+    from dschat.data import unsupervised
+    from dschat.errors import MissingInputError, UsageError
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "allenai" / "c4" / "en"
+    config.mkdir(parents=True)
+    for shard in (0, 2):
+        (config / f"c4-train.{shard:05d}-of-00003.json.gz").write_bytes(gzip.compress(b'{"text": "A document."}\n'))
+    for check in (lambda: unsupervised.check_unsupervised_file("allenai/c4", "en"),
+                  lambda: unsupervised.load_unsupervised_train("allenai/c4", "en")):
+        with pytest.raises(UsageError, match=r"^--unsupervised_dataset_name allenai/c4: the train split is in 3 "
+                                             r"shards, and the folder lacks c4-train\.00001-of-00003\.json\.gz"):
+            check()
+    with pytest.raises(MissingInputError, match=r"^--unsupervised_dataset_name allenai/c4: the download here holds "
+                                                r"no config realnewslike \(its configs: en\)"):
+        unsupervised.check_unsupervised_file("allenai/c4", "realnewslike")
+    (config / "c4-train.00001-of-00003.json.gz").write_bytes(gzip.compress(b'{"text": "A document."}\n'))
+    unsupervised.check_unsupervised_file("allenai/c4", "en")
+
+
 def test_an_unsupervised_record_without_text_is_named_not_a_tokenizer_traceback(tmp_path, tokenizer):
     """A null or non-string ``text`` (a JSONL line with "text": null) is its file and line's error, not the fast
     tokenizer's TypeError ("TextEncodeInput must be Union[...]"), which names neither."""

@@ -167,12 +167,18 @@ def load_unsupervised_train(name, config_name=None):
     return train, "text"
 
 
-def check_unsupervised_file(name):
-    """A local ``--unsupervised_dataset_name`` file that is missing, empty or only blank lines is an error naming it:
-    train.py checks before step 1 trains (step 3 read it after steps 1 and 2)."""
+def check_unsupervised_file(name, config_name=None):
+    """A local ``--unsupervised_dataset_name`` file that is missing, empty or only blank lines, or a hub dataset's
+    download folder without the train files of the config ``config_name`` (all its shards), is an error naming it:
+    train.py checks before step 1 trains (step 3 read it after steps 1 and 2). A download's files are not read here
+    (allenai/c4's en/ is 1024 shards): step 3 reads them."""
+    from .local import _is_saved_dataset
+
     local = _local_text_source(name) if name and name != "tiny" else None
     if local is not None:
         check_local_file(name, *local)
+    elif name and name != "tiny" and os.path.isdir(name) and not _is_saved_dataset(name):
+        local_download_train_files(name, config_name)
 
 
 def check_local_file(name, kind, path):
@@ -258,7 +264,14 @@ def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
     """The train split of a download of the hub dataset ``name`` at ``folder`` (the config's folder of it: c4's en/;
     ``copy``: it as errors say it), its shards read as one, as a --data_path folder's are (``hub_download_split``); an
     error names ``flag``."""
-    from .local import _hub_split_files, hub_download_split
+    from .local import hub_download_split
+
+    return hub_download_split(given_as(flag, name), "train", download_train_files(name, folder, copy, flag))
+
+
+def download_train_files(name, folder, copy, flag="--unsupervised_dataset_name"):
+    """``downloaded_train``'s files, checked whole (``local._check_whole_split``: every shard there), not read."""
+    from .local import _check_whole_split, _hub_split_files
 
     splits = _hub_split_files(folder)
     if "train" not in splits:
@@ -266,7 +279,8 @@ def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
             "is neither a save_to_disk folder nor a download of a hub dataset's repository (no train split files there)"
         raise DatasetFormatError(f"{given_as(flag, name)}: {copy} {held}: download all its files (hf download "
                                  f"--repo-type dataset {name}), or give its train file as --unsupervised_dataset_name")
-    return hub_download_split(given_as(flag, name), "train", splits["train"])
+    _check_whole_split(given_as(flag, name), "train", splits["train"])
+    return splits["train"]
 
 
 def local_copy_train(folder, config_name=None):
@@ -275,13 +289,20 @@ def local_copy_train(folder, config_name=None):
     DeepSpeed-Chat's load_dataset reads by its path), in the folder of ``config_name`` when given (en/), as its
     download in the hub cache is read (``downloaded_train``); it was load_from_disk's traceback, "neither a `Dataset`
     directory nor a `DatasetDict` directory"."""
-    from .local import _is_saved_dataset
+    from .local import _is_saved_dataset, hub_download_split
 
     if _is_saved_dataset(folder):
         return _saved_train_split(folder)
+    return hub_download_split(given_as("--unsupervised_dataset_name", folder), "train",
+                              local_download_train_files(folder, config_name))
+
+
+def local_download_train_files(folder, config_name=None):
+    """The train files of the download at ``folder`` (``local_copy_train``'s), in the folder of ``config_name``,
+    checked (``check_config_named``, ``download_train_files``), not read."""
     check_config_named(given_as("--unsupervised_dataset_name", folder), folder, config_name, "the download here",
                        f"hf download --repo-type dataset NAME --local-dir {folder}")
-    return downloaded_train(folder, download_folder(folder, config_name), "the download here")
+    return download_train_files(folder, download_folder(folder, config_name), "the download here")
 
 
 def check_config_named(where, download, config_name, copy, command):
