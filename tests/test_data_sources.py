@@ -420,6 +420,29 @@ def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_
                 read()
 
 
+def test_a_download_folder_without_a_train_split_advises_files_that_read_when_they_are_compressed(tmp_path,
+                                                                                                   monkeypatch):
+    """A folder whose compressed JSON splits are not named train (a hub download's train_prefs.jsonl.gz and
+    test_prefs.jsonl.gz) was told to give them as jsonl:x/train_prefs.jsonl.gz,x/test_prefs.jsonl.gz, which is refused:
+    a compressed file given by its own path is ("decompress it ... and give the file that writes"). The advice names
+    the files decompressed, with the command that decompresses them; followed, it reads."""
+    import gzip
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prefs").mkdir()
+    for name, records in (("train_prefs.jsonl.gz", RECORDS[:15]), ("test_prefs.jsonl.gz", RECORDS[15:])):
+        (tmp_path / "prefs" / name).write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    with pytest.raises(UsageError) as error:
+        raw("prefs", tmp_path)
+    advice = re.search(r"\(e\.g\. (\S+), once decompressed: (.+)\)$", str(error.value))
+    assert advice.groups() == ("jsonl:prefs/train_prefs.jsonl,prefs/test_prefs.jsonl",
+                               "gunzip -k prefs/train_prefs.jsonl.gz && gunzip -k prefs/test_prefs.jsonl.gz")
+    subprocess.run(advice.group(2), shell=True, check=True)
+    adapter = raw(advice.group(1), tmp_path)
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+
+
 def test_a_subset_folder_of_a_hub_download_in_gzip_jsonl_is_read_and_other_compressed_folders_are_refused(tmp_path):
     """Anthropic/hh-rlhf's helpful-base/ holds train.jsonl.gz and test.jsonl.gz: the folder, named to read that subset
     alone, was refused ("its train data train.jsonl.gz is compressed with gzip ... decompress its files"). It is read

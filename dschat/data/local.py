@@ -754,10 +754,11 @@ def _hub_layout_source(kind, folder, spec, flag=None):
         return None
     if "train" not in splits:
         named = sorted(splits, key=lambda name: not name.startswith("train"))[:2]  # (train_prefs before test_prefs)
-        files = ",".join(os.path.relpath(splits[name][0]) for name in named)
+        files, commands = files_to_give([splits[name][0] for name in named])
         raise UsageError(f"{given_as(flag, spec)}: the folder holds a hub dataset's files of {splits_said(splits)}, "
                          f"{'not' if len(splits) == 1 else 'none of them'} train: give the files to read as "
-                         f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
+                         f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files}"
+                         f"{f', once decompressed: {commands}' if commands else ''})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     check_subsets_alike(given_as(flag, spec), folder, splits, ["train", *eval_names[:1]])
     for name in ["train", *eval_names[:1]]:
@@ -770,6 +771,17 @@ def _hub_layout_source(kind, folder, spec, flag=None):
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
     return LocalSource(kind, train, evaluation[0], spec, eval_kind if eval_kind != kind else None, unread,
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
+
+
+def files_to_give(paths):
+    """(``paths``, a download's split files, as TRAIN_PATH,EVAL_PATH may give them, the commands that decompress those
+    compressed, "" where none is): a compressed file is read in a download's folder but refused by its own path
+    (``check_not_compressed``), so it is given decompressed (train_prefs.jsonl.gz: train_prefs.jsonl)."""
+    packed = [path for path in paths if data_file_extensions(path)[1]]
+    files = ",".join(os.path.relpath(path[:len(path) - len(data_file_extensions(path)[1])]) for path in paths)
+    commands = " && ".join(f"{DECOMPRESS[COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()]]} "
+                           f"{os.path.relpath(path)}" for path in packed)
+    return files, commands
 
 
 def check_subsets_alike(where, folder, splits, names):
