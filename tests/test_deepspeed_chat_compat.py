@@ -1156,3 +1156,44 @@ def test_deepspeed_chats_trainer_attributes_of_the_engines_build_are_read_not_as
     with pytest.raises(UsageError, match=r"trainer.end_of_conversation_token_id = 5: the answers end at "
                                          r"trainer.eos_token_id .*: set that"):
         trainer.end_of_conversation_token_id = 5
+
+
+def test_a_notebook_loop_stepping_past_the_engines_schedule_is_said_once(grpo_engine, monkeypatch, capsys):
+    """num_total_iters counts optimizer steps, not PPO iterations (the README's notebook sizes it by
+    len(prompt_dataloader): one step per iteration there). A loop that took more steps (ppo_epochs 2 on the trainer's
+    args, as the README shows, or smaller training batches) ran past the schedule's end, where transformers' cosine
+    schedule rises again to the full learning rate, unsaid. The trainer says it once, with the count to give."""
+    from dschat import DeepSpeedPPOTrainer
+    from dschat.rlhf.config import optimizer_steps_per_iteration
+
+    trainer = DeepSpeedPPOTrainer(engine=grpo_engine)
+    out = trainer.generate_experience(_grpo_prompts(grpo_engine))
+    assert out["input_ids"].shape[0] == 2 * trainer.args.per_device_training_batch_size  # (2 steps a rollout)
+    taken = grpo_engine.actor.lr_scheduler.last_epoch
+    for total in ("num_total_iters", "actor_total_iters"):  # (the module's engine: as built, after this test)
+        monkeypatch.setattr(grpo_engine, total, taken + 2)
+    trainer.train_rollout([out])  # to the schedule's end
+    assert "learning-rate schedule" not in capsys.readouterr().out
+    trainer.train_rollout([out])  # past it
+    said = capsys.readouterr().out
+    assert (f"the actor has taken {taken + 3} optimizer steps, past the {taken + 2} its learning-rate schedule "
+            "(cosine) spans (the engine's num_total_iters): from here the rate rises again towards the full rate. "
+            "num_total_iters counts optimizer steps, not PPO iterations: give your loop's PPO iterations x "
+            f"{optimizer_steps_per_iteration(trainer.args)} per train_rollout here") in said
+    assert grpo_engine.actor.get_lr()[0] > 0  # (the premise: the cosine schedule's rate past its end, 0 at it)
+    trainer.train_rollout([out])
+    assert "learning-rate schedule" not in capsys.readouterr().out  # (once)
+
+
+@pytest.mark.parametrize("scheduler_type, said", [("linear", "stays at its end, 0 or near it"), ("constant", None),
+                                                  ("constant_with_warmup", None)])
+def test_the_schedule_end_notice_says_what_each_schedule_does_past_its_end(scheduler_type, said):
+    from dschat.rlhf.trainer import schedule_ended_notice, steps_past_schedule
+
+    scheduler = SimpleNamespace(last_epoch=5)
+    assert steps_past_schedule(scheduler, 5, scheduler_type) is None  # (at its end)
+    taken = steps_past_schedule(scheduler, 4, scheduler_type)
+    if said is None:
+        assert taken is None
+    else:
+        assert taken == 5 and said in schedule_ended_notice("critic", taken, 4, scheduler_type, "num_total_iters", 1)

@@ -25,7 +25,7 @@ from dschat.models.reward_model import positions_from_mask
 from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
 from dschat.rlhf.layout import forward_layout, head_reads, reward_scores
-from dschat.rlhf.config import check_kl_settings, kl_in_loss, step3_args
+from dschat.rlhf.config import check_kl_settings, kl_in_loss, optimizer_steps_per_iteration, step3_args
 from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, check_settings, longest_sequence
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
 from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
@@ -498,6 +498,7 @@ class DeepSpeedPPOTrainer:
 
     _said_hand_loop = False  # (class defaults: tests build trainers without __init__)
     _said_unequal_hand_group = False
+    _said_schedule_ended = False
     _hand_group_answers = ()  # a hand loop's answers (all ranks) of each micro-batch of its optimizer step so far
     _group_loss_tokens = ()  # this rank's loss tokens of each PPO micro-batch of the optimizer step so far
     no_token_skips = {}  # {"actor", "critic": the optimizer steps this trainer skipped for no token in the loss}
@@ -915,6 +916,24 @@ class DeepSpeedPPOTrainer:
         with phase("dschat.train.critic_step"):
             boundary = optimizer_step(self.critic_model, "critic", skip)
         self._count_no_token_skip("critic", skip and boundary)
+        self._say_if_schedule_ended("critic", self.critic_model)
+
+    def _say_if_schedule_ended(self, name, model):
+        """A loop of the caller's (a notebook's) that steps ``model`` past the end of the learning-rate schedule its
+        engine was sized with (``num_total_iters`` counts optimizer steps, not PPO iterations) is said, once: past its
+        end a cosine schedule rose again to the full rate, and a linear one trained at 0, unsaid."""
+        engine = self.__dict__.get("rlhf_engine")  # (None: a trainer built without __init__, a test's stand-in)
+        total = getattr(engine, "actor_total_iters" if name == "actor" else "num_total_iters", None)
+        if self._said_schedule_ended or total is None:
+            return
+        taken = steps_past_schedule(getattr(model, "lr_scheduler", None), total, self.args.lr_scheduler_type)
+        if taken is None:
+            return
+        self._said_schedule_ended = True
+        # (the actor's schedule is sized by actor_total_iters only where it was given apart: --freezing_actor_steps)
+        total_name = "num_total_iters" if total == getattr(engine, "num_total_iters", None) else "actor_total_iters"
+        print_rank_0(schedule_ended_notice(name, taken, total, self.args.lr_scheduler_type, total_name,
+                                           optimizer_steps_per_iteration(self.args)))
 
     def _count_no_token_skip(self, name, skipped):
         if skipped:
@@ -1054,6 +1073,7 @@ class DeepSpeedPPOTrainer:
         with phase("dschat.train.actor_step"):
             boundary = optimizer_step(self.actor_model, "actor", skip)
         self._count_no_token_skip("actor", skip and boundary)
+        self._say_if_schedule_ended("actor", self.actor_model)
         if boundary and self.actor_model.was_step_applied():
             self._update_ema()
 
@@ -1255,6 +1275,31 @@ class DeepSpeedPPOTrainer:
         that were not (--test_stop_step)."""
         return tuple(model is not None and bool(getattr(model.optimizer, "overflow", False))
                      for model in (self.actor_model, self.critic_model))
+
+
+# schedules whose rate past their end is the one they ended at, the full rate: steps past it train as planned
+SCHEDULES_FULL_RATE_AT_END = ("constant", "constant_with_warmup")
+
+
+def steps_past_schedule(scheduler, total, scheduler_type):
+    """The optimizer steps a learning-rate ``scheduler`` has taken where they are more than the ``total`` it was
+    built to span, else None; None too for a schedule whose rate past its end is its full rate (constant ones)."""
+    taken = getattr(scheduler, "last_epoch", None)  # (the steps it has taken: 0 as built)
+    if total is None or taken is None or taken <= max(total, 1) or scheduler_type in SCHEDULES_FULL_RATE_AT_END:
+        return None
+    return taken
+
+
+def schedule_ended_notice(name, taken, total, scheduler_type, total_name, steps_per_iteration):
+    """What to say once model ``name`` has taken ``taken`` optimizer steps, past the ``total`` its learning-rate
+    schedule spans (the engine's ``total_name``). Past its end, transformers' cosine schedule rises again (half a
+    cosine period on); linear, polynomial and cosine_with_restarts stay at their end rate, ~0."""
+    after = ("rises again towards the full rate" if scheduler_type == "cosine"
+             else "stays at its end, 0 or near it, so the models barely change")
+    return (f"[step3] the {name} has taken {taken} optimizer steps, past the {total} its learning-rate schedule "
+            f"({scheduler_type}) spans (the engine's {total_name}): from here the rate {after}. {total_name} counts "
+            f"optimizer steps, not PPO iterations: give your loop's PPO iterations x {steps_per_iteration} per "
+            "train_rollout here (dschat.rlhf.config.optimizer_steps_per_iteration(trainer.args))")
 
 
 def first_answer_text(tokenizer, exp):
