@@ -918,8 +918,8 @@ def test_a_hub_model_without_a_value_head_is_no_reward_model_by_its_name(hub_cac
     with pytest.raises(ValueError, match="acme/plain-lm: no trained value head"):
         load_reward_model("acme/plain-lm")
     assert not create_critic_model("acme/plain-lm", None).value_head_loaded, "a critic starts from it with a new head"
-    with pytest.raises(FileNotFoundError, match="acme/nothing: no such folder here, and loading it as a Hugging Face "
-                                                "hub name failed"):
+    with pytest.raises(FileNotFoundError, match="acme/nothing: no such folder here, nor a model of that name in the "
+                                                "Hugging Face hub cache"):
         load_reward_model("acme/nothing")
 
 
@@ -2131,3 +2131,24 @@ def test_lora_module_name_matching_only_modules_read_past_their_forward_is_refus
     with pytest.raises(UsageError, match=r"--lora_module_name 'dt_proj' matches only modules .*"
                                          r"\(backbone.layers.0.mixer.dt_proj .*would not train"):
         lora_target_modules(AutoModelForCausalLM.from_config(_mamba_config()), "dt_proj")
+
+
+def test_the_notebook_loaders_fail_at_once_on_a_hub_name_they_cannot_fetch(unreachable_hub, hub_cache):
+    """load_tokenizer("org/name") (the README's notebook starts with it), load_causal_lm and RewardModel.from_pretrained
+    with no network and HF_HUB_OFFLINE unset went through the hub client's retries (46 s for a tokenizer, printed
+    line by line), a mistyped tiny preset too, where the steps and tools, which check their flags first
+    (check_model_path), failed at once. They fail at once too now, with the same words."""
+    from huggingface_hub import constants
+
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import load_causal_lm, load_tokenizer
+    from dschat.models.reward_model import RewardModel
+
+    said = (r"acme/opt-1\.3bb: no such folder here, nor a model of that name in the Hugging Face hub cache, and the hub "
+            r"cannot be reached \(\[Errno -2\] Name or service not known\)")
+    for load in (load_tokenizer, lambda name: load_causal_lm(name, None), RewardModel.from_pretrained):
+        with pytest.raises(MissingInputError, match=said):
+            load("acme/opt-1.3bb")
+        with pytest.raises(MissingInputError, match=r"^tiny-lama: no such tiny preset \(they are tiny-llama, "):
+            load("tiny-lama")
+    assert unreachable_hub == [constants.ENDPOINT]  # (one probe, then offline mode)

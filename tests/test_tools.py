@@ -163,8 +163,9 @@ def test_a_name_that_is_no_folder_and_fails_on_the_hub_is_one_clear_error(monkey
     from dschat.models.loading import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as with no network: the hub client fails (here at once)
-    with pytest.raises(FileNotFoundError, match=r"outptu: no such folder here, and loading it as a Hugging Face hub "
-                                                r"name failed \(.+\); check the path"):
+    with pytest.raises(FileNotFoundError, match=r"outptu: no such folder here, nor a model of that name in the Hugging "
+                                                r"Face hub cache, and HF_HUB_OFFLINE is set, so the hub is not asked: "
+                                                r"check the name or path"):
         load_tokenizer("outptu")
 
 

@@ -94,10 +94,14 @@ def check_not_a_file(path):
 def hub_load(loader, name_or_path, **kwargs):
     """``loader(name_or_path)``; a name that is no folder here and fails as a hub name too is said to be either: a
     mistyped folder becomes, after the hub client's retries, one clear error instead of a hub traceback (at once for
-    a name that is a local path, ``looks_local``)."""
+    a name that is a local path, ``looks_local``, a mistyped tiny preset, and a hub name the hub cache lacks while
+    the hub cannot be reached, ``unfetchable_hub_name``: as ``check_model_path`` says them for a flag; a notebook's
+    load_tokenizer("org/name") waited 46 s of retries before its error)."""
     check_not_a_file(name_or_path)
     if looks_local(name_or_path) and not os.path.exists(name_or_path):
         raise MissingInputError(missing_folder_message(name_or_path))
+    if unloadable := unknown_tiny_preset(name_or_path) or unfetchable_hub_name(name_or_path):
+        raise MissingInputError(unloadable)
     try:
         return loader(name_or_path, **kwargs)
     except OSError as err:
