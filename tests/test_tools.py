@@ -1919,6 +1919,17 @@ def test_prompt_eval_help_lists_deepspeed_chats_accepted_decoding_flags():
     assert all(flag in text for flag in ("--num_beams", "--num_beam_groups", "--penalty_alpha", "--language"))
 
 
+def test_chat_help_says_how_to_chat_in_plain_text():
+    """chat.py --help said "Multi-turn chat with a trained policy (DeepSpeed-Chat's ``inference/chatbot.py``)": reST
+    markup, and nothing of how a chat goes ('clear', 'quit'), which its prompt said only once it had started."""
+    from dschat.tools.chat import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "``" not in text
+    assert "messages typed or piped in ('clear' starts a new conversation, 'quit' or 'exit' ends it), or one " \
+           "answer to --prompt" in text
+
+
 @pytest.mark.parametrize("tool", ["chat", "rw_eval", "ppo_eval", "prompt_eval"])
 def test_each_tool_runs_as_a_module_too(tool):
     """``python -m dschat.tools.rw_eval ...`` printed nothing and exited 0 whatever it was given."""

@@ -1,4 +1,5 @@
-"""Multi-turn chat with a trained policy (DeepSpeed-Chat's ``inference/chatbot.py``).
+"""Multi-turn chat with a trained policy, as DeepSpeed-Chat's inference/chatbot.py: messages typed or piped in
+('clear' starts a new conversation, 'quit' or 'exit' ends it), or one answer to --prompt.
 
 The conversation is kept as messages and rendered with ``format_prompt`` on every turn, so the model sees
 the same text format it was trained on (its chat template, else "Human:/Assistant:").
@@ -176,7 +177,8 @@ def echoing_input(prompt):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    # (--help's description: the docstring's first paragraph, which says how to chat)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--path", required=True,
                         help="A run's output folder (uses the policy its last train.py run reported, else "
                              "step3_ppo/actor, step2_dpo, step1_sft; an unfinished run's step1_sft first), a model "
