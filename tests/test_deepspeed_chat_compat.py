@@ -1185,6 +1185,17 @@ def test_a_notebook_loop_stepping_past_the_engines_schedule_is_said_once(grpo_en
     assert "learning-rate schedule" not in capsys.readouterr().out  # (once)
 
 
+def test_a_notebooks_dict_gives_the_optimizer_steps_of_an_iteration():
+    """The engine built without num_total_iters says to size it with optimizer_steps_per_iteration(args), and the
+    README's args is a dict: it failed on it ("'dict' object has no attribute 'ppo_epochs'"). It takes every form of
+    args the engine takes now."""
+    from dschat.rlhf.config import optimizer_steps_per_iteration
+
+    settings = {"per_device_generation_batch_size": 4, "per_device_training_batch_size": 2, "ppo_epochs": 2}
+    assert optimizer_steps_per_iteration(settings) == 4 == optimizer_steps_per_iteration(step3_args(settings))
+    assert optimizer_steps_per_iteration(SimpleNamespace(**settings)) == 4
+
+
 @pytest.mark.parametrize("scheduler_type, said", [("linear", "stays at its end, 0 or near it"), ("constant", None),
                                                   ("constant_with_warmup", None)])
 def test_the_schedule_end_notice_says_what_each_schedule_does_past_its_end(scheduler_type, said):

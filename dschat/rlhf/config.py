@@ -183,7 +183,9 @@ def micro_batches_per_epoch(args):
 
 def optimizer_steps_per_iteration(args):
     """Optimizer steps the actor and the critic each take in one PPO iteration: --ppo_epochs passes over the rollout's
-    micro-batches, one step per --gradient_accumulation_steps of them (``check_accumulation``: whole groups)."""
+    micro-batches, one step per --gradient_accumulation_steps of them (``check_accumulation``: whole groups).
+    ``args`` in any form the engine takes (a notebook's dict sizes its engine's num_total_iters with it)."""
+    args = step3_args(args)
     return args.ppo_epochs * micro_batches_per_epoch(args) // args.gradient_accumulation_steps
 
 
