@@ -1376,6 +1376,22 @@ def test_a_notebooks_resume_checks_the_iteration_count_as_step_3s_does(tmp_path)
         load_checkpoint(_flags_trainer(tmp_path), str(tmp_path), train_loader=loader)
 
 
+def test_a_notebook_loads_a_checkpoint_step_3_saved(tmp_path):
+    """``load_checkpoint(trainer, "<output_dir>/checkpoints", train_loader=prompt_dataloader)`` of a checkpoint step 3
+    saved (its prompts read through its own settings, ``prompt_loaders``' ``take_data_files``) was refused: "saved with
+    other settings: --data_files_flags ['data_path'] -> ['data_path', 'sft_only_data_path']": the notebook's engine and
+    trainer complete their settings apart from the copy its prompt_loaders read, and so counted step 1's
+    --sft_only_data_path among the data flags step 3 reads. Step 3's settings name the one it reads from the start."""
+    from dschat.rlhf.checkpointing import load_checkpoint, save_checkpoint
+    from dschat.steps.common import take_data_files
+
+    saving = _flags_trainer(tmp_path)
+    take_data_files(saving.args, 3)  # (step 3's run: prompt_loaders on the settings its engine is built from)
+    save_checkpoint(saving, str(tmp_path), {"iteration": 1, "epoch": 0, "batch": 1, "unsup_batches": 0})
+    with pytest.raises(Loaded, match="loaded"):  # a notebook's trainer, its settings never taken: the checks pass
+        load_checkpoint(_flags_trainer(tmp_path), str(tmp_path))
+
+
 def test_a_notebooks_resume_without_the_prompts_loader_refuses_another_generation_batches(tmp_path):
     """Without ``train_loader=`` the iteration count was not checked at all: a checkpoint of --generation_batches 1
     resumed with 2 loaded, half an iteration into its prompts. The count cannot be known without the loader's batches,

@@ -8,11 +8,16 @@ from dschat.errors import MissingInputError, UsageError
 
 def step3_args(args=None):
     from dschat.args import namespace_with_defaults, step3_parser
+    from dschat.steps.common import data_flags_read
 
     if isinstance(args, argparse.Namespace) and getattr(args, "_dschat_complete", False):
         return args
     completed = namespace_with_defaults(step3_parser(), args)
     resolve_zero_stages(completed)
+    # step 3 reads --data_path alone, also where its prompts were read through another copy of its settings (a
+    # notebook's prompt_loaders(args, ...) and its engine's, which ``take_data_files`` never saw): a step-3
+    # checkpoint's load from a notebook was refused for --data_files_flags ['data_path'] -> [..., 'sft_only_data_path']
+    completed._data_flags = data_flags_read(3)
     completed._dschat_complete = True
     return completed
 
