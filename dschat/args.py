@@ -63,6 +63,7 @@ def non_negative_int(text):
 
 
 SEED_RANGE = 2 ** 32  # numpy's, which transformers' set_seed and the data shares seed (torch's is wider)
+DEFAULT_SEED = 1234  # the steps' --seed, which holds out the eval share of data without an eval split
 
 
 def seed_int(text):
@@ -280,7 +281,7 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
                    help="Learning-rate schedule after the warmup.")
     g.add_argument("--num_warmup_steps", type=non_negative_int, default=0, help="Optimizer steps of linear warmup.")
     g.add_argument("--output_dir", type=str, default=None, help="Where the trained model is saved.")
-    g.add_argument("--seed", type=seed_int, default=1234,
+    g.add_argument("--seed", type=seed_int, default=DEFAULT_SEED,
                    help="Seed of the data order, the data shares and the model's random initialisations.")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
     g.add_argument("--gradient_checkpointing", action="store_true",
@@ -976,7 +977,7 @@ def _add_step3_optimization_args(g):
     g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
                    help="Learning-rate schedule after the warmup.")
     g.add_argument("--num_warmup_steps", type=non_negative_int, default=100, help="Optimizer steps of linear warmup.")
-    g.add_argument("--seed", type=seed_int, default=1234,
+    g.add_argument("--seed", type=seed_int, default=DEFAULT_SEED,
                    help="Seed of the data order, the data shares and the model's random initialisations.")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
 

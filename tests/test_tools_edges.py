@@ -633,6 +633,53 @@ def test_rw_eval_and_prompt_eval_read_a_hub_datasets_download_in_the_hub_cache_a
         rw_eval.parse_args(["--model_name_or_path", str(trained)])
 
 
+def test_rw_eval_and_prompt_eval_read_a_hub_dataset_without_an_eval_split_for_the_share_training_held_out(
+        reward_model, tmp_path, capsys, monkeypatch):
+    """Dahoas/synthetic-instruct-gptj-pairwise and openai/webgpt_comparisons have no eval split: training holds out
+    the 10% of their train split its --seed chooses and trains on the rest, but rw_eval --pairs_file and prompt_eval
+    --prompts_file read all of the train split, pairs and prompts the steps trained on among them. They read the
+    share the training seed held out now: rw_eval's --seed (the step-2 run's by default), prompt_eval the steps'
+    default, said on stdout."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data.raw_datasets import get_raw_dataset
+    from dschat.tools import rw_eval
+    from dschat.tools.prompt_eval import select_records
+
+    name = "Dahoas/synthetic-instruct-gptj-pairwise"
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"Name color {i}.", "chosen": f"red {i}", "rejected": f"no {i}"} for i in range(50)]
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(name)  # (read by its hub reader, as training does)
+
+    def held_out_and_trained(seed):
+        raw = get_raw_dataset(name, None, seed, -1)
+        return [r["chosen"] for r in raw.get_eval_data()], {r["chosen"] for r in raw.get_train_data()}
+
+    held_out, trained = held_out_and_trained(7)
+    result = rw_eval.main(["--model_name_or_path", reward_model, "--pairs_file", name, "--num_pairs", "0", "--seed",
+                           "7"])
+    scored = [pair["chosen"] for pair in result["pairs"]]
+    assert scored == held_out and len(scored) == 5 and not set(scored) & trained
+    assert (f"5 records of {name} (the 10% of its train split --seed 7 holds out, which no step trains on)"
+            in capsys.readouterr().out)
+    # a step-2 run's model: the run's seed is the one that held its pairs out
+    run = tmp_path / "run"
+    run.mkdir()
+    step2, _ = _step2_run_reading(reward_model, run, name, monkeypatch)
+    assert rw_eval.parse_args(["--model_name_or_path", str(step2), "--pairs_file", name])[0].seed == 7
+    # prompt_eval has no data seed: the steps' default one
+    records, _ = select_records(SimpleNamespace(prompts=None, prompts_file=name, data_fields="", num_prompts=8))
+    default_held_out, default_trained = held_out_and_trained(1234)
+    assert [r.chosen for r in records] == default_held_out != held_out
+    assert not {r.chosen for r in records} & default_trained
+    assert "(the 10% of its train split the steps' default --seed 1234 holds out" in capsys.readouterr().out
+    from dschat.tools.records import seed_holds_out  # (the same for the other hub dataset without an eval split)
+
+    assert seed_holds_out("openai/webgpt_comparisons") and not seed_holds_out("stanfordnlp/SHP")
+
+
 def test_rw_eval_says_an_answer_max_seq_len_cut_before_scoring_it(reward_model, tmp_path, capsys):
     """An answer longer than --max_seq_len is scored on its first tokens alone, as step 2 scores it: two answers alike
     up to the cut got the same score, and rw_eval printed each whole beside it without a word of the cut."""

@@ -7,7 +7,7 @@ bundled rule scorer.
 """
 import argparse
 
-from dschat.args import positive_int
+from dschat.args import DEFAULT_SEED, positive_int
 from dschat.data.formatting import render_human_assistant
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
@@ -115,9 +115,10 @@ def build_parser():
     source.add_argument("--prompts", nargs="+", help="User messages (or 'Human: ... Assistant: ...' transcripts).")
     source.add_argument("--prompts_file", type=non_empty_path,
                         help="Local data with prompts (any format training accepts; its eval file where it has one, "
-                             "else all of it), or a hub dataset's name, read as training reads it (its test split); "
-                             "tiny: the embedded held-out data. The embedded data's prompts (by name or by its files) "
-                             "are rule-scored.")
+                             "else all of it), or a hub dataset's name, read as training reads it (its eval split, "
+                             f"else the 10%% of its train split the steps' default --seed {DEFAULT_SEED} holds out); "
+                             "tiny: the embedded held-out data. The embedded data's prompts (by name or by its "
+                             "files) are rule-scored.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
     parser.add_argument("--num_prompts", type=positive_int, default=8,
                         help="Prompts taken from a file or the tiny data (default: %(default)s).")

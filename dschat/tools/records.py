@@ -5,8 +5,9 @@ import re
 from dataclasses import dataclass
 from itertools import islice
 
+from dschat.args import DEFAULT_SEED
 from dschat.data.base import read_or_none
-from dschat.data.raw_datasets import TINY_NAME
+from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME
 from dschat.errors import MissingInputError, UsageError, given_as
 from dschat.report import counted
 from dschat.tiny import EVAL_FILE
@@ -61,8 +62,6 @@ def no_local_data(path, flag=None):
     """The error for a tool's data (``flag``'s) that is no local file or folder nor a hub dataset dschat reads by name
     (``tool_raw_dataset``): "no data file at acme/pairs" named neither the flag nor why. The advice to download it is
     for a hub dataset's name alone (ORG/NAME): ``nope`` was told to download it too."""
-    from dschat.data.raw_datasets import HUB_DATASETS
-
     if not looks_like_hub_dataset(path):
         return MissingInputError(f"{given_as(flag, path)}: no such file, folder or dataset (the tools read local "
                                  "data: a .jsonl/.json/.parquet/.csv file, a folder of them, TYPE:PATH, "
@@ -95,31 +94,52 @@ def local_data_source(spec, flag=None):
     return source
 
 
-def load_records(path, data_fields=None, limit=None, flag=None):
+def load_records(path, data_fields=None, limit=None, flag=None, seed=None):
     """The records of local data or a hub dataset's, read by the training data's own adapter (``tool_raw_dataset``):
-    its eval part where it has one (two files, a folder or save_to_disk copy with an eval split, DeepSpeed-Chat's
-    ``local/jsonfile``, a hub dataset's test split), else the whole file; the first ``limit``. Said on stdout.
+    its eval part (``eval_records``), the first ``limit``; ``seed``: training's, which holds out the eval share of a
+    hub dataset without an eval split (None: the steps' default --seed). Said on stdout.
 
     So data is accepted here exactly when training accepts it (prompt/chosen/rejected strings, message lists,
     transcripts, TRL's preference format, renamed fields). ``tiny`` is the embedded held-out data.
     """
     spec = str(EVAL_FILE) if str(path) == TINY_NAME else str(path)
-    raw = tool_raw_dataset(spec, file_field_options(data_fields, path), 0, flag)
-    held_out = raw.own_eval_data()
-    samples = list(islice(held_out if held_out is not None else raw.raw_datasets["train"], limit))
-    part = f" ({eval_part_said(raw)})" if held_out is not None else ""
-    print(f"[dschat] {counted(len(samples), 'record')} of {path}{part}")
+    raw = tool_raw_dataset(spec, file_field_options(data_fields, path), DEFAULT_SEED if seed is None else seed, flag)
+    held_out, part = eval_records(raw, spec, seed)
+    samples = list(islice(held_out, limit))
+    print(f"[dschat] {counted(len(samples), 'record')} of {path}{f' ({part})' if part else ''}")
     return [as_record(raw, sample) for sample in samples]
+
+
+def eval_records(raw, spec, seed):
+    """(the records the tools read of the raw dataset ``raw`` of ``spec``, that part in words, None for all of it): its
+    own eval split (two files, a folder or save_to_disk copy with an eval split, DeepSpeed-Chat's ``local/jsonfile``, a
+    hub dataset's test split, SHP's validation split); a hub dataset without one (``seed_holds_out``): the 10% of its
+    train split that training's ``seed`` holds out (``get_eval_data``), as all of it held the pairs steps 1-3 trained
+    on; else all of the local data."""
+    own = raw.own_eval_data()
+    if own is not None:
+        return own, eval_part_said(raw)
+    if seed_holds_out(spec):
+        seed_said = f"the steps' default --seed {DEFAULT_SEED}" if seed is None else f"--seed {seed}"
+        return raw.get_eval_data(), f"the 10% of its train split {seed_said} holds out, which no step trains on"
+    return raw.raw_datasets["train"], None
+
+
+def seed_holds_out(spec):
+    """Whether the tools' data ``spec`` is a hub dataset without an eval split (Dahoas/synthetic-instruct-gptj-pairwise,
+    openai/webgpt_comparisons), whose eval share the training seed holds out of its train split."""
+    reader = HUB_DATASETS.get(spec)
+    return reader is not None and reader.eval_split is None
 
 
 def tool_raw_dataset(spec, field_options, seed, flag=None):
     """The raw dataset of a tool's data ``spec`` (``flag``'s), read as training reads it: a hub dataset's name by that
-    dataset's own reader, its columns and its test split, from where training reads it (``get_raw_dataset``: a local
-    copy under its name, DeepSpeed-Chat's offline ``./Dahoas/rm-static``; else the datasets cache or the hub, and
-    offline its download in the hub cache, which the tools did not read: "no local data file or folder there");
-    ``tiny`` as the embedded data; else local data (``local_data_source``)."""
+    dataset's own reader, its columns and its eval split (else ``seed``'s held-out share), from where training reads
+    it (``get_raw_dataset``: a local copy under its name, DeepSpeed-Chat's offline ``./Dahoas/rm-static``; else the
+    datasets cache or the hub, and offline its download in the hub cache, which the tools did not read: "no local data
+    file or folder there"); ``tiny`` as the embedded data; else local data (``local_data_source``)."""
     from dschat.data.local import LocalDataset, tiny_source
-    from dschat.data.raw_datasets import HUB_DATASETS, get_raw_dataset
+    from dschat.data.raw_datasets import get_raw_dataset
 
     if spec in HUB_DATASETS:
         return get_raw_dataset(spec, None, seed, -1, flag=flag)
@@ -128,7 +148,8 @@ def tool_raw_dataset(spec, field_options, seed, flag=None):
 
 
 def eval_part_said(raw):
-    """The data's own eval split as said: a local file's "eval part", a hub dataset's split by its name ("test")."""
+    """The data's own eval split as said: a local file's "eval part", a hub dataset's split by its name ("test",
+    SHP's "validation")."""
     return "its eval part" if raw.eval_split == "eval" else f"its {raw.eval_split} split"
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from dschat.args import non_negative_int, positive_int, seed_int
+from dschat.args import DEFAULT_SEED, non_negative_int, positive_int, seed_int
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data import pipeline
@@ -24,7 +24,7 @@ from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8
 from dschat.data.raw_datasets import TINY_NAME
 from dschat.data.splits import parse_data_split
 from dschat.tools.records import (check_count_read, check_data_fields_read, load_phase_held_out, load_records,
-                                  prompt_record, tiny_held_out_records)
+                                  prompt_record, seed_holds_out, tiny_held_out_records)
 
 RULE = "=" * 30
 
@@ -155,8 +155,8 @@ def build_parser():
     source.add_argument("--pairs_file", type=non_empty_path,
                         help="Local data with prompt/chosen/rejected (any format training accepts; its eval file "
                              "where it has one, else all of it), or a hub dataset's name, read as training reads it "
-                             "(its test split); tiny: the embedded held-out pairs. Default: the step-2 run's one "
-                             "--data_path, else tiny.")
+                             "(its eval split, else the 10%% of its train split --seed holds out); tiny: the embedded "
+                             "held-out pairs. Default: the step-2 run's one --data_path, else tiny.")
     source.add_argument("--prompt", help="Score --answer(s) to this prompt instead of pairs.")
     parser.add_argument("--answer", action="append", default=[], help="An answer to --prompt (repeatable).")
     parser.add_argument("--data_fields", default="", help="Field names of --pairs_file, e.g. chosen=good.")
@@ -165,9 +165,10 @@ def build_parser():
                              "2's, e.g. 2,4,4) of its eval file, else of the 10%% of the file --seed holds out. "
                              "Default: the step-2 run's, with its --data_path as --pairs_file (its reported accuracy's "
                              "pairs); else none: the eval file, else all of --pairs_file.")
-    parser.add_argument("--seed", type=seed_int, default=1234,
-                        help="Step 2's seed, which holds out 10%% of a file without an eval file (with --data_split; "
-                             "default: the step-2 run's, else %(default)s).")
+    parser.add_argument("--seed", type=seed_int, default=DEFAULT_SEED,
+                        help="Step 2's seed, which holds out 10%% of a file without an eval file (with --data_split) "
+                             "and of a hub dataset without an eval split (default: the step-2 run's, else "
+                             "%(default)s).")
     parser.add_argument("--num_pairs", type=non_negative_int, default=64,
                         help="At most this many pairs (0: all; default: %(default)s).")
     parser.add_argument("--max_seq_len", type=positive_int, default=None,
@@ -228,8 +229,9 @@ def step2_run_defaults(args):
         raise UsageError(f"--data_split {args.data_split}: the step-2 run read {' '.join(map(str, data))} (from "
                          f"{args_file}), not one dataset to take as --pairs_file: give "
                          "--pairs_file, the file whose held-out pairs to score")
-    if args.data_split is not None and trained.get("seed") not in (None, ""):
-        # (a --data_split given chooses step 2's held-out pairs of its --seed: the run's, as its help says, not 1234)
+    if (args.data_split is not None or seed_holds_out(args.pairs_file)) and trained.get("seed") not in (None, ""):
+        # (a --data_split given, or a hub dataset without an eval split, chooses step 2's held-out pairs of its
+        # --seed: the run's, as its help says, not 1234)
         defaults["seed"] = trained["seed"]
     return defaults, os.path.abspath(args_file)
 
@@ -295,13 +297,13 @@ def parse_args(argv=None):
 
 def read_pairs(args):
     """The records whose pairs are scored: step 2's held-out share with --data_split (``load_phase_held_out``), else
-    --pairs_file's eval part (all of it without one), else the embedded held-out pairs."""
+    --pairs_file's eval part (``eval_records``: all of local data without one), else the embedded held-out pairs."""
     limit = args.num_pairs or None
     if args.data_split is not None:
         return load_phase_held_out(args.pairs_file or TINY_NAME, args.data_fields, args.data_split, args.seed, 2,
                                    limit, "--pairs_file")
     if args.pairs_file:
-        return load_records(args.pairs_file, args.data_fields, limit, "--pairs_file")
+        return load_records(args.pairs_file, args.data_fields, limit, "--pairs_file", args.seed)
     return tiny_held_out_records(limit)
 
 
