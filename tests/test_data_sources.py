@@ -443,6 +443,26 @@ def test_a_download_folder_without_a_train_split_advises_files_that_read_when_th
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
 
 
+def test_a_folder_whose_data_is_in_its_subfolders_says_which_it_joins(tmp_path, capsys):
+    """A local folder with no data files at its top level is read as a hub download of subsets is: mydata/v1/
+    train.jsonl and mydata/v2/train.jsonl joined as one dataset, without a word, though they may be two versions of
+    one data. Said now on stdout, naming the subfolders, once per folder per process; what is read is the same."""
+    folder = tmp_path / "mydata"
+    for sub, records in (("v1", RECORDS[:12]), ("v2", RECORDS[12:])):
+        (folder / sub).mkdir(parents=True)
+        write_records(records, folder / sub / "train.jsonl", "jsonl")
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.raw_datasets["train"]) == expected_tuples(RECORDS)
+    assert (f"[dschat.data] {folder}: no data files at the folder's top level; the split files of its subfolders v1, "
+            "v2 are read as one dataset, each split joined in that order\n") in capsys.readouterr().out
+    raw(f"jsonl:{folder}/", tmp_path)  # (the same folder, spelled otherwise: said once)
+    assert "subfolders" not in capsys.readouterr().out
+    # one subfolder holding data joins nothing: nothing said
+    shutil.copytree(folder / "v1", tmp_path / "one" / "v1")
+    assert len(raw(str(tmp_path / "one"), tmp_path).raw_datasets["train"]) == 12
+    assert "subfolders" not in capsys.readouterr().out
+
+
 def test_a_subset_folder_of_a_hub_download_in_gzip_jsonl_is_read_and_other_compressed_folders_are_refused(tmp_path):
     """Anthropic/hh-rlhf's helpful-base/ holds train.jsonl.gz and test.jsonl.gz: the folder, named to read that subset
     alone, was refused ("its train data train.jsonl.gz is compressed with gzip ... decompress its files"). It is read

@@ -769,8 +769,30 @@ def _hub_layout_source(kind, folder, spec, flag=None):
     evaluation = splits[eval_names[0]] if eval_names else [None]
     eval_kind = evaluation[0] and hub_data_kind(evaluation[0])
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
+    say_subfolders_joined(spec, folder, [*splits["train"], *(evaluation if evaluation[0] else [])])
     return LocalSource(kind, train, evaluation[0], spec, eval_kind if eval_kind != kind else None, unread,
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
+
+
+# the folders (real paths) whose subfolders' joined split files were said: once per folder per process
+_SUBFOLDERS_JOINED_SAID = set()
+
+
+def say_subfolders_joined(spec, folder, files):
+    """A folder with no data files at its top level whose split files (``files``, those read) are in two or more of
+    its subfolders (``_hub_split_files``: mydata/v1/train.jsonl and mydata/v2/train.jsonl, or a hub download's
+    subsets) is read as one dataset, each split its subfolders' files joined: said on stdout, naming them, once per
+    folder per process, so no two datasets are merged without a word (``spec``: the data as given)."""
+    from dschat.utils.dist import print_rank_0
+
+    top = {os.path.normpath(folder), os.path.normpath(os.path.join(folder, "data"))}
+    subfolders = sorted({os.path.normpath(os.path.dirname(path)) for path in files} - top)
+    if len(subfolders) < 2 or os.path.realpath(folder) in _SUBFOLDERS_JOINED_SAID:
+        return
+    _SUBFOLDERS_JOINED_SAID.add(os.path.realpath(folder))
+    print_rank_0(f"[dschat.data] {spec}: no data files at the folder's top level; the split files of its subfolders "
+                 f"{', '.join(map(os.path.basename, subfolders))} are read as one dataset, each split joined in that "
+                 "order")
 
 
 def files_to_give(paths):
