@@ -2239,6 +2239,66 @@ def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_r
     assert models == []
 
 
+def test_an_output_resumed_from_an_older_dschats_checkpoint_records_that_version(tmp_path, distributed):
+    """A step resumed from an older dschat's checkpoint (said, and resumed all the same) recorded this dschat's
+    STEP_VERSION in its output and later checkpoints, though its training up to the checkpoint was the older step's:
+    train.py --resume then kept the output as this dschat's, also where a change since reaches it (an RWKV reward
+    model whose weights the old width probe left divided trained on from them). The output and the checkpoints the
+    resumed run saves record the checkpoint's version (none where it recorded none); a run of this dschat's
+    checkpoint records this dschat's."""
+    from dschat.steps.common import STEP_VERSION, STEP_VERSIONS
+
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+              "--save_interval", "2"]
+    root, now = tmp_path / "rm" / "checkpoints", STEP_VERSIONS["step2"]
+
+    def recorded_after_resuming(version):
+        reward.main([*common, "--max_steps", "2"])
+        _set_step_version(root, "step_0000002", version)
+        reward.main([*common, "--max_steps", "4", "--resume"])
+        output = json.loads((tmp_path / "rm" / "training_args.json").read_text())
+        state = json.loads((root / "trainer" / "step_0000004" / "state.json").read_text())
+        return output.get(STEP_VERSION), state.get(STEP_VERSION)
+
+    assert recorded_after_resuming(now - 1) == (now - 1, now - 1)
+    assert recorded_after_resuming(None) == (None, None)
+    assert recorded_after_resuming(now) == (now, now)
+
+
+def test_a_step3_checkpoint_saved_after_resuming_an_older_dschats_records_that_version(tmp_path):
+    """Step 3 alike: a checkpoint its run saves after resuming an older dschat's (``resume_or_afresh`` keeps the
+    resumed position's version) records that version, so a later resume and its output are judged by it."""
+    from types import SimpleNamespace
+
+    from dschat.args import step3_parser
+    from dschat.rlhf import algorithms, checkpointing
+    from dschat.rlhf.config import step3_args
+    from dschat.steps.common import STEP_VERSION, STEP_VERSIONS, keep_resumed_inputs
+
+    args = step3_args(step3_parser().parse_args(["--output_dir", str(tmp_path), "--advantage_estimator", "grpo",
+                                                 "--reward_fn", "tiny"]))
+
+    def save_engine(folder, tag, save_latest):  # (no engine: an empty model-states file, as the checks read it)
+        os.makedirs(os.path.join(folder, tag))
+        Path(folder, tag, "mp_rank_00_model_states.pt").write_bytes(b"")
+
+    trainer = SimpleNamespace(args=args, actor_model=SimpleNamespace(save_checkpoint=save_engine), critic_model=None,
+                              actor_ema=None, kl_ctl=algorithms.FixedKLController(0.1), generator=None)
+
+    def saved_after_resuming(position, iteration):
+        keep_resumed_inputs(args, position)
+        checkpointing.save_checkpoint(trainer, str(tmp_path / "checkpoints"),
+                                      {"iteration": iteration, "epoch": 0, "batch": iteration})
+        state = tmp_path / "checkpoints" / "trainer" / f"iter_{iteration:07d}" / "state.json"
+        return json.loads(state.read_text()).get(STEP_VERSION, "absent")
+
+    now = STEP_VERSIONS["step3"]
+    assert saved_after_resuming({"iteration": 2, STEP_VERSION: now - 1}, 4) == now - 1
+    assert saved_after_resuming({"iteration": 2}, 6) is None  # (a checkpoint from before they recorded it)
+    assert saved_after_resuming({"iteration": 2, STEP_VERSION: now}, 8) == now
+    assert saved_after_resuming(None, 10) == now  # (no resume)
+
+
 def test_a_step3_checkpoint_holds_an_rwkv_actors_weights_as_trained_after_it_only_generated(tmp_path):
     """An actor that only generated since it last trained (--freezing_actor_steps) holds an RWKV's weights as its
     eval-mode forwards divided them in place (transformers' ``rescale_every``): DeepSpeed's checkpoint took them so,

@@ -25,8 +25,9 @@ from dschat.rlhf import algorithms as algo
 from dschat.rlhf.config import whole_iterations
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (STEP_VERSION, STEP_VERSIONS, TOKENIZER_KEY, check_same_start, check_same_tokenizer,
-                                 input_runs, restart_deepspeed_tensorboard, step_data_records, tokenizer_record)
+from dschat.steps.common import (STEP_VERSION, TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
+                                 recorded_step_version, restart_deepspeed_tensorboard, step_data_records,
+                                 tokenizer_record)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, MODEL_STATES, RANK_MODEL_STATES, STEP_NAME, TRAINER, ResumePlan,
                                       check_complete, check_engine_files, check_position, check_same_flags,
                                       check_same_products, check_same_step, check_universal_fit, clear_tag,
@@ -124,7 +125,8 @@ def save_checkpoint(trainer, root, position, keep_last=2):
         if is_rank_0() and ema_state is not None:  # before the trainer state, which marks a tag complete
             os.makedirs(trainer_folder(root, tag), exist_ok=True)
             torch.save(ema_state, os.path.join(trainer_folder(root, tag), "ema.pt"))
-        save_trainer_state(root, tag, {**position, STEP_NAME: STEP, STEP_VERSION: STEP_VERSIONS[STEP],
+        version = recorded_step_version(trainer.args, STEP)  # (a resumed older checkpoint's: its own)
+        save_trainer_state(root, tag, {**position, STEP_NAME: STEP, STEP_VERSION: version,
                                        "kl_ctl": trainer.kl_ctl.state_dict(), KL_TRACKED: _kl_tracked(trainer.args),
                                        NO_TOKEN_SKIPS: _no_token_skips(trainer),
                                        "flags": resume_flags(trainer), "inputs": input_runs(trainer.args),

@@ -607,7 +607,7 @@ def write_run_args(args, step):
         record[REWARD_FN_FILE] = reward_fn_file(flags["reward_fn"])
     os.makedirs(args.output_dir, exist_ok=True)
     write_json_atomic(os.path.join(args.output_dir, RUN_ARGS_FILE),  # cwd: what relative paths were read from
-                      {"step": step, STEP_VERSION: STEP_VERSIONS[step], "world_size": get_world_size(),
+                      {"step": step, STEP_VERSION: recorded_step_version(args, step), "world_size": get_world_size(),
                        "cwd": os.getcwd(), "flags": flags, "run_id": uuid.uuid4().hex, "inputs": input_runs(args),
                        **step_data_records(args), **record}, default=str)
 
@@ -744,8 +744,23 @@ def keep_resumed_inputs(args, position):
     (``input_runs``), in its output and its own checkpoints: its weights grew from them, whatever their folders hold
     now. (A step's own --resume does not refuse a step 1 trained again into its --model_name_or_path, say, whose
     new run id its output recorded: train.py --resume, which trains such a step afresh, then kept it as made from the
-    new one.) A checkpoint that recorded none, or no resume (None), leaves this run's."""
+    new one.) A checkpoint that recorded none, or no resume (None), leaves this run's. Its step version is kept
+    alike (``recorded_step_version``)."""
     args._resumed_inputs = (position or {}).get("inputs")
+    args._resumed = position is not None
+    args._resumed_version = (position or {}).get(STEP_VERSION)
+
+
+def recorded_step_version(args, name):
+    """The STEP_VERSION an output or checkpoint of step ``name`` (its run's ``args``) records: this dschat's, but for a
+    run resumed from an older dschat's checkpoint, which resumes (said), that checkpoint's (None where it recorded
+    none): the training up to it was that dschat's, so train.py --resume judges the output by the changes since
+    (``older_step_version``), not as this dschat's. (A newer dschat's checkpoint is refused at the resume.)"""
+    now = STEP_VERSIONS[name]
+    if not getattr(args, "_resumed", False):
+        return now
+    then = args._resumed_version
+    return None if then is None else min(then, now)
 
 
 LEGACY_FILES_IDENTITY = "files:"  # (a model_identity recorded before the tokenizer files counted)

@@ -21,10 +21,10 @@ from dschat.args import recorded_flags_now
 from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (STEP_VERSION, STEP_VERSIONS, TOKENIZER_KEY, check_same_start, check_same_tokenizer,
-                                 input_runs, keep_resumed_inputs, recorded_data_flags, restart_deepspeed_tensorboard,
-                                 resumed_save_interval, say_a_changed_schedule, schedule_length_flags,
-                                 step_data_records, taken_data_flags)
+from dschat.steps.common import (STEP_VERSION, TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
+                                 keep_resumed_inputs, recorded_data_flags, recorded_step_version,
+                                 restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
+                                 schedule_length_flags, step_data_records, taken_data_flags)
 from dschat.utils.checkpoints import (DATA_SOURCE_FLAGS, MODEL, STEP_NAME, ResumePlan, check_complete,
                                       check_position, check_same_flags, check_same_products, check_same_step,
                                       check_universal_fit, clear_earlier_run, clear_tag, latest_tag, load_rank_state,
@@ -113,7 +113,7 @@ def save_step_checkpoint(engine, args, position, keep_last=2):
         place = {key: position[key] for key in ("step", "epoch", "batch", "seconds", "total", STEP_NAME, TOKENIZER_KEY)
                  if key in position}
         if STEP_NAME in position:  # (how this dschat trains the step: another's resume says so)
-            place[STEP_VERSION] = STEP_VERSIONS[position[STEP_NAME]]
+            place[STEP_VERSION] = recorded_step_version(args, position[STEP_NAME])
         sums = {key: position[key] for key in ("loss_sum", "loss_count")}
         save_trainer_state(root, tag, {**place, "save_interval": args.save_interval, "flags": resume_flags(args),
                                        "inputs": input_runs(args), "world_size": get_world_size()}, rank_state=sums)
