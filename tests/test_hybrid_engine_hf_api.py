@@ -617,3 +617,37 @@ def test_recurrent_models_generate_as_hf(config, cuda_graph):
     if cuda_graph:  # the eager loop, with its reason: recurrent layers (Mamba-1: no KV-head layout at all)
         reason = engine.graph_decoder.unsupported_reason(engine.inference_weights, _device())
         assert engine.graph_decoder.captures == 0 and ("recurrent" in reason or "KV-head layout" in reason), reason
+
+
+def test_recurrent_gemma_grouped_by_prompt_length_with_cuda_graphs_asked_for_generates_each_row_alone():
+    """RecurrentGemma (``LEFT_PADDING_MOVES_SCORES``) generates its rows grouped by prompt length, each group a decode
+    of its own shape. With CUDA graphs asked for on the GPU: each row's tokens and log-probs are its prompt's alone
+    (HF's tokens), and the engine says whether it captured (a graph per group's bucket and cache length) or fell back
+    to the eager loop for the recurrent layers; the count is printed for the GPU log."""
+    if _device().type != "cuda":
+        pytest.skip("CUDA graphs need the GPU")
+    model = hybrid_common.tiny_recurrent_gemma().to(_device())
+    with torch.no_grad():  # (non-zero biases and pad embedding: the pads' inputs would move the scores)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+        model.get_input_embeddings().weight[PAD].normal_()
+    engine = HybridEngine(make_ds_engine(model), HybridEngineConfig(enabled=True, max_out_tokens=32,
+                                                                    enable_cuda_graph=True), pad_token_id=PAD)
+    engine.eval()
+    lengths = [5, 2, 4, 1, 2]
+    ids, mask = hybrid_common.left_padded_batch(lengths, seed=3)
+    ids, mask = ids.to(_device()), mask.to(_device())
+    width = ids.shape[1]
+    got, logprobs = engine.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                    return_logprobs=True)
+    for row, n in enumerate(lengths):
+        alone = ids[row:row + 1, width - n:]
+        expected = hf_generate(model, alone, torch.ones_like(alone), 6)
+        assert torch.equal(got[row, width:], expected[0, n:]), row
+        scored, _ = answer_logprobs_and_live(model, expected, torch.ones_like(alone), eos_token_id=-1)
+        torch.testing.assert_close(logprobs[row], scored[0], atol=1e-4, rtol=0)
+    decoder = engine.graph_decoder
+    reason = decoder.unsupported_reason(engine.inference_weights, _device())
+    print(f"recurrent_gemma grouped: captures={decoder.captures} eager reason={reason!r}")
+    assert decoder.captures == 0 and "recurrent" in reason, (decoder.captures, reason)
