@@ -2380,7 +2380,7 @@ def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tm
     monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
 
     def digest_in_a_new_process():
-        local._file_digest.cache_clear()
+        local.forget_file_digests()
         return local.file_digest(str(data))
 
     first = digest_in_a_new_process()
@@ -2392,3 +2392,42 @@ def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tm
     data.write_text('{"prompt": "Hi?", "chosen": "Hullo."}\n')
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert digest_in_a_new_process() == hashlib.sha256(data.read_bytes()).hexdigest() != first and len(hashed) == 4
+
+
+def test_a_kept_content_hash_is_that_of_the_file_opened_not_of_a_stat_before_it(tmp_path, monkeypatch):
+    """The kept hash was looked up under a stat taken before the file was opened. An NFS client's stat answers from the
+    attributes it cached (up to a minute, acregmax) where its open asks the server: a file written on another machine
+    kept its old stamp for a later process's stat, which took the old file's kept hash, and its tokenized data, for
+    the data read. The stamp is now the opened file's (``os.fstat``); a file written while it is read keeps no hash
+    under the stamp it had before (the hash is of neither)."""
+    import hashlib
+
+    from dschat.data import local
+
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    old = local.file_digest(str(data))  # (kept)
+    cached_attributes = os.stat(data)
+    data.write_text('{"prompt": "Hi?", "chosen": "Hullo there."}\n')  # (another machine's edit)
+    real_stat = os.stat
+    with monkeypatch.context() as patch:
+        patch.setattr(local.os, "stat", lambda path, *a, **kw: cached_attributes if str(path) == str(data)
+                      else real_stat(path, *a, **kw))
+        local.forget_file_digests()  # (a later process)
+        assert local.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest() != old
+
+    # (written while it is read: the stamp it had when opened keeps nothing)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"prompt": "Hey?", "chosen": "Hello."}\n')
+    before = os.stat(other)
+    file_digest = hashlib.file_digest
+
+    def written_while_read(f, *a):
+        other.write_text('{"prompt": "Hey?", "chosen": "Hullo there."}\n')
+        return file_digest(f, *a)
+
+    monkeypatch.setattr(local.hashlib, "file_digest", written_while_read)
+    local.file_digest(str(other))
+    stamp = (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns, before.st_ctime_ns)
+    assert not os.path.exists(local._digest_memo_path(str(other), stamp))

@@ -67,7 +67,6 @@ record (and its line where known: JSON Lines, CSV) and the field.
 import ast
 import contextlib
 import copy
-import functools
 import hashlib
 import json
 import os
@@ -424,12 +423,12 @@ class LocalSource:
 
 def file_digest(path):
     """The sha256 of a file's content: a hub cache's file by the name of the blob it links to, where the hub client
-    named it so (``hub_blob_sha256``), else computed once for each stamp of the file (``_file_digest``: a write gives
-    it another)."""
+    named it so (``hub_blob_sha256``), else computed once for each stamp of the file (``_digest_of_open_file``: a write
+    gives it another)."""
     if blob := hub_blob_sha256(path):
         return blob
-    st = os.stat(path)
-    return _file_digest(os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    with open(path, "rb") as f:
+        return _digest_of_open_file(f, os.path.abspath(path))
 
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -454,26 +453,45 @@ def hub_blob_sha256(path):
 DIGEST_MEMO_FOLDER, RACY_WINDOW_NS = "dschat_file_sha256", 2 * 10**9
 
 
-@functools.lru_cache(maxsize=4096)
-def _file_digest(path, *stamp):
-    """The sha256 of the file at ``path`` (absolute), whose ``stamp`` is (device, inode, size, modification and change
-    times): kept for later processes under the stamp (``DIGEST_MEMO_FOLDER``), so that a run's every process, and
-    every later run, did not read the data whole again (a c4 config downloaded with --local-dir: ~300 GB each). A write
-    sets the change time, which ``touch`` cannot set back: an edited file has another stamp, and is read."""
-    memo = _digest_memo_path(path, stamp)
-    try:
-        with open(memo, encoding="ascii") as f:
-            kept = f.read()
-        if _SHA256_HEX.fullmatch(kept):
-            return kept
-    except (OSError, ValueError):  # (none kept; a cache folder not readable)
-        pass
-    hashed_at = time.time_ns()
-    with open(path, "rb") as f:
+_DIGESTS = {}  # {(absolute path, stamp): sha256} read or computed in this process (``forget_file_digests``)
+
+
+def _digest_of_open_file(f, path):
+    """The sha256 of the file ``f``, opened at ``path`` (absolute), under the stamp of the file opened (device, inode,
+    size, modification and change times; ``os.fstat``, not a stat before the open: an NFS client's stat answers from
+    attributes it cached, up to a minute, where its open asks the server), kept for later processes
+    (``DIGEST_MEMO_FOLDER``), so that a run's every process, and every later run, did not read the data whole again (a
+    c4 config downloaded with --local-dir: ~300 GB each). A write sets the change time, which ``touch`` cannot set
+    back: an edited file has another stamp, and is read. A file written while it was read keeps nothing."""
+    stamp = _stat_stamp(os.fstat(f.fileno()))
+    if (digest := _DIGESTS.get((path, stamp)) or _kept_digest(path, stamp)) is None:
+        hashed_at = time.time_ns()
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    if stamp[-1] < hashed_at - RACY_WINDOW_NS:
-        _keep_digest(memo, digest)
+        if _stat_stamp(os.fstat(f.fileno())) != stamp:  # (what was read is of neither stamp)
+            return digest
+        if stamp[-1] < hashed_at - RACY_WINDOW_NS:
+            _keep_digest(_digest_memo_path(path, stamp), digest)
+    _DIGESTS[path, stamp] = digest
     return digest
+
+
+def _stat_stamp(st):
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def forget_file_digests():
+    """Forget the digests this process read or computed (a later process's start, in tests)."""
+    _DIGESTS.clear()
+
+
+def _kept_digest(path, stamp):
+    """The digest kept under ``stamp`` for the file at ``path``, else None."""
+    try:
+        with open(_digest_memo_path(path, stamp), encoding="ascii") as f:
+            kept = f.read()
+    except (OSError, ValueError):  # (none kept; a cache folder not readable)
+        return None
+    return kept if _SHA256_HEX.fullmatch(kept) else None
 
 
 def _digest_memo_path(path, stamp):
