@@ -217,6 +217,23 @@ def test_a_kept_hub_dataset_read_offline_is_loaded_again_once_a_revision_is_adde
         assert chosen() == " Hello again." and len(loads) == 2
 
 
+def test_a_kept_hub_datasets_stamp_holds_the_folder_datasets_caches_it_in(tmp_path, monkeypatch):
+    """datasets keeps stanfordnlp/SHP's Arrow files under stanfordnlp___shp (the name's last part snake-cased, as its
+    offline load looks for them): the stamp looked in stanfordnlp___SHP, never there, so a revision added to datasets'
+    cache inside a block was not loaded, the kept one was."""
+    import datasets
+    from huggingface_hub import constants
+
+    from dschat.data.raw_datasets import hub_caches_stamp
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    before = hub_caches_stamp("stanfordnlp/SHP")
+    revision = Path(datasets.config.HF_DATASETS_CACHE) / "stanfordnlp___shp" / "default" / "0.0.0" / "aaaa"
+    revision.mkdir(parents=True)
+    (revision / "shp-train.arrow").write_bytes(b"arrow")
+    assert hub_caches_stamp("stanfordnlp/SHP") != before
+
+
 def test_a_hub_dataset_read_with_the_hub_at_hand_is_not_kept(reachable_hub):
     """Online, a load may fetch a revision the caches lack: nothing identifies it before it is loaded."""
     from dschat.data.raw_datasets import hub_caches_stamp

@@ -415,7 +415,6 @@ def hub_caches_stamp(name):
     """What a load of the hub dataset ``name`` reads while the hub is not asked (offline, or out of reach): the files
     of its folders in datasets' cache and in the hub cache (a download of it), stamped (``files_stamp``): another
     stamp where a revision was added since. None with the hub at hand: a load may fetch another revision."""
-    import datasets
     from huggingface_hub import constants
 
     from dschat.models.loading import hub_unavailable
@@ -423,9 +422,20 @@ def hub_caches_stamp(name):
 
     if not hub_unavailable():
         return None
-    folders = (os.path.join(datasets.config.HF_DATASETS_CACHE, name.replace("/", "___")),
-               os.path.join(constants.HF_HUB_CACHE, f"datasets--{name.replace('/', '--')}"))
+    hub_download = os.path.join(constants.HF_HUB_CACHE, f"datasets--{name.replace('/', '--')}")
+    folders = (datasets_cache_folder(name), hub_download)
     return name, folders, files_stamp(folders)
+
+
+def datasets_cache_folder(name):
+    """The folder of datasets' cache that holds the hub dataset ``name``'s Arrow files, as datasets names it (its
+    offline load's ``CachedDatasetModuleFactory``): ORG___NAME, the name's last part snake-cased (stanfordnlp/SHP's:
+    stanfordnlp___shp)."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+
+    *namespace, dataset = name.split("/")
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "___".join([*namespace, camelcase_to_snakecase(dataset)]))
 
 
 # What a ``reads_kept`` block may keep: local data's readers; the data of a local copy under a hub name; that of a
