@@ -2431,3 +2431,26 @@ def test_a_kept_content_hash_is_that_of_the_file_opened_not_of_a_stat_before_it(
     local.file_digest(str(other))
     stamp = (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns, before.st_ctime_ns)
     assert not os.path.exists(local._digest_memo_path(str(other), stamp))
+
+
+def test_a_kept_content_hash_can_be_read_by_the_other_users_of_a_shared_cache(tmp_path, monkeypatch):
+    """A team's shared HF_HOME: the kept hash was written owner-only (mkstemp's 0o600, kept by the rename), so another
+    user read none of them and hashed the data whole again, each run, and its own entry then hid the first user's. It
+    has the mode a plain ``open`` gives (``dschat.utils.files.atomic_file``)."""
+    import glob
+    import stat
+
+    import datasets
+
+    from dschat.data import local
+
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    mask = os.umask(0o022)
+    try:
+        local.file_digest(str(data))
+    finally:
+        os.umask(mask)
+    [memo] = glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*"))
+    assert stat.S_IMODE(os.stat(memo).st_mode) == 0o644

@@ -71,12 +71,12 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dschat.errors import MissingInputError, UsageError, excerpt, given_as
+from dschat.utils.files import atomic_file
 from .base import (MARGIN_FIELD, ROLE_ALIASES, SHAREGPT_ROLES, TOOL_ROLES, VALID_ROLES, PromptRawDataset,
                    answer_from_transcript, checked_messages, final_assistant_answer, optional_text, prompt_messages,
                    required_text, splits_said, trimmed, untrained_turns, without_none_values)
@@ -502,19 +502,10 @@ def _digest_memo_path(path, stamp):
 
 
 def _keep_digest(memo, digest):
-    """Written whole (a reader never sees half of it); a cache folder not writable keeps nothing."""
-    try:
-        os.makedirs(os.path.dirname(memo), exist_ok=True)
-        handle, written = tempfile.mkstemp(dir=os.path.dirname(memo))
-    except OSError:
-        return
-    try:
-        with os.fdopen(handle, "w", encoding="ascii") as f:
-            f.write(digest)
-        os.replace(written, memo)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(written)
+    """Written whole, with the mode a plain ``open`` gives (``atomic_file``: a reader never sees half of it, and the
+    other users of a shared cache read it); a cache folder not writable keeps nothing."""
+    with contextlib.suppress(OSError), atomic_file(memo) as f:
+        f.write(digest)
 
 
 def all_files(path):
