@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dschat.args import step1_parser, step3_parser
+from dschat.rlhf import evaluation
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
 from helpers import (PPO_FAST, RM_FAST, SFT_FAST, count_copy_refreshes, engines_alive, engines_made,
@@ -589,7 +590,8 @@ def test_rollouts_never_generate_the_ids_of_embedding_rows_the_tokenizer_has_no_
         seq = trainer.generate_experience(batch)["input_ids"]
         assert (seq[:, batch["prompt"].shape[1]:] < tokens).all(), (greedy, seq)
     evaluated = {}
-    monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: evaluated.update(generate=generate))
+    monkeypatch.setattr(evaluation, "evaluate_policy",
+                        lambda generate, *args, **kwargs: evaluated.update(generate=generate))
     ppo.held_out_eval(trainer, None, SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=6, eval_prompts=0,
                                                      padded_forwards=False), trainer.device, None)
     with torch.no_grad():
@@ -620,6 +622,55 @@ def test_notebook_api_generates_experience_with_consistent_masks(trained, tmp_pa
     assert torch.isfinite(actor_loss) and torch.isfinite(critic_loss)
     out2 = trainer.generate_experience(batch)
     assert not torch.allclose(out2["logprobs"] * out2["action_mask"], out2["ref_logprobs"] * out2["action_mask"])
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hf_generate", "hybrid_engine"])
+def test_a_notebooks_trainer_evaluates_its_policy_on_the_held_out_prompts_as_step_3_does(trained, tmp_path, hybrid):
+    """A notebook's held-out prompts (prompt_loaders' second loader) had no public scoring: step 3's held_out_eval is
+    internal and takes the step's args. DeepSpeedPPOTrainer.evaluate runs it, the trainer's args for its defaults:
+    the actor's greedy answers, each scored by the reward model as the rollouts score rows, and by the rule scorer of
+    the embedded data."""
+    from dschat import prompt_loaders
+    from dschat.errors import UsageError
+    from dschat.rlhf.evaluation import answer_texts, hf_generate
+    from dschat.rlhf.layout import forward_layout, reward_scores
+    from dschat.tiny.scorer import rule_score
+
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path, enable_hybrid_engine=hybrid,
+                                                     data_output_path=str(trained / "data"),
+                                                     per_device_generation_batch_size=3)
+    held_out = prompt_loaders(trainer.args, tokenizer)[1]
+    # (this briefly trained actor ends its answers at once: kept from ending, they run to their length)
+    no_eos = torch.zeros(trainer.actor_model.module.get_output_embeddings().weight.shape[0])
+    no_eos[tokenizer.eos_token_id] = -1e4
+    trainer.actor_model.module.get_output_embeddings().register_forward_hook(lambda m, i, output: output + no_eos)
+    result = trainer.evaluate(held_out, eval_prompts=3, eval_max_new_tokens=4)
+    assert set(result) == {"reward_mean", "prompts", "examples", "rule_score_mean", "empty_answers"}
+    assert result["prompts"] == 3 and result["empty_answers"] == 0 and trainer.args.eval_prompts == 64
+    # recomputed: the actor's greedy answers of at most 4 tokens, the reward model's scores of them, their rule scores
+    batch = next(iter(held_out))
+    prompts, mask = batch["prompt"], batch["prompt_att_mask"]
+    with torch.no_grad():
+        seq = hf_generate(trainer.actor_model.module, tokenizer)(
+            prompts, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=trainer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)
+        answers = seq[:, prompts.shape[1]:]
+        assert answers.shape[1] == 4
+        amask = answer_mask(answers, trainer.eos_token_id)
+        full_mask = torch.cat([mask.long(), amask], dim=1)
+        layout = forward_layout(full_mask, prompts.shape[1] - 1, 1, trainer.position_limit)
+        scores = reward_scores(trainer.reward_model.module, seq, full_mask, layout).tolist()
+    texts = answer_texts(tokenizer, answers, amask)
+    assert [e["answer"] for e in result["examples"]] == texts
+    assert [e["reward"] for e in result["examples"]] == pytest.approx(scores, abs=1e-4)
+    assert result["reward_mean"] == pytest.approx(sum(scores) / 3, abs=1e-4)
+    rules = [rule_score(p, t) for p, t in zip(batch["prompt_text"], texts)]
+    assert result["rule_score_mean"] == pytest.approx(sum(rules) / 3)
+    trainer.args.eval_prompts = 3  # (the trainer's args: the counts when none is given)
+    assert trainer.evaluate(held_out)["prompts"] == 3
+    with pytest.raises(UsageError, match=r"trainer.evaluate\(eval_max_new_tokens=40\): .* would be 80, longer than "
+                                         r"the 50 the engine's models were checked and sized for"):
+        trainer.evaluate(held_out, eval_max_new_tokens=40)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -2356,12 +2407,15 @@ def test_readme_notebook_snippet_runs_as_written(trained, tmp_path, monkeypatch)
     released, release = [], training_engine.release_engine
     monkeypatch.setattr(training_engine, "release_engine", lambda engine: (released.append(engine), release(engine)))
     snippet = snippet.replace('"num_warmup_steps": 2}', '"num_warmup_steps": 2, "data_split": "2,4,4", '
-                                                        f'"max_steps": 2, "data_output_path": "{trained / "data"}"}}')
+                                                        f'"max_steps": 2, "data_output_path": "{trained / "data"}", '
+                                                        '"eval_prompts": 4}')
     namespace = {}
     exec(compile(snippet.replace("for prompt_batch in prompt_dataloader:",
                                  "for i, prompt_batch in zip(range(2), prompt_dataloader):"), "README", "exec"),
          namespace)
     assert math.isfinite(namespace["trained"]["actor_loss"]) and math.isfinite(namespace["trained"]["critic_loss"])
+    scores = namespace["scores"]  # (the trained policy's, on its first whole batch of held-out prompts)
+    assert scores["prompts"] == 32 and math.isfinite(scores["reward_mean"]) and "rule_score_mean" in scores
     # the snippet sets what the demo's step 3 sets, with the demo's values (without its rates the critic hardly learnt)
     from dschat.pipeline import TINY_RECIPE
 
@@ -4234,11 +4288,11 @@ def test_eval_prompts_counts_over_all_ranks(world, given, per_rank, monkeypatch)
     from dschat.steps import ppo
 
     seen = {}
-    monkeypatch.setattr(ppo, "get_world_size", lambda: world)
-    signature = inspect.signature(ppo.evaluate_policy)
-    monkeypatch.setattr(ppo, "evaluate_policy", lambda *args, **kwargs: seen.update(
+    monkeypatch.setattr(evaluation, "get_world_size", lambda: world)
+    signature = inspect.signature(evaluation.evaluate_policy)
+    monkeypatch.setattr(evaluation, "evaluate_policy", lambda *args, **kwargs: seen.update(
         signature.bind(*args, **kwargs).arguments))
-    monkeypatch.setattr(ppo, "hf_generate", lambda model, tokenizer: model.generate)
+    monkeypatch.setattr(evaluation, "hf_generate", lambda model, tokenizer: model.generate)
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=SimpleNamespace(generate=None)),
                               eval=lambda: None, reward_model=None, tokenizer=None, z3_enabled=False,
                               pad_to_multiple_of=1, reward_fn=None, eos_token_id=0)
@@ -4261,7 +4315,7 @@ def test_the_held_out_evaluations_hf_generate_is_told_to_suppress_the_ids_past_t
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 32, "eos_token_id": 1, "pad_token_id": 0})()
     calls = []
     model.generate = lambda *args, **kwargs: calls.append(kwargs)
-    monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
+    monkeypatch.setattr(evaluation, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
     trainer = SimpleNamespace(hybrid=False, actor_model=SimpleNamespace(module=model), eval=lambda: None,
                               reward_model=None, tokenizer=tokenizer, z3_enabled=False, pad_to_multiple_of=1,
                               reward_fn=None, eos_token_id=1)
@@ -4294,7 +4348,7 @@ def test_rollouts_and_the_held_out_evaluation_build_hf_generates_arguments_in_on
     trainer.eval = lambda: None
     calls = []
     model.generate = lambda prompts, **kwargs: calls.append(kwargs.get("suppress_tokens")) or prompts
-    monkeypatch.setattr(ppo, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
+    monkeypatch.setattr(evaluation, "evaluate_policy", lambda generate, *args, **kwargs: generate(None))
     eval_args = SimpleNamespace(eval_max_new_tokens=None, max_answer_seq_len=4, eval_prompts=0, padded_forwards=False)
     prompts = torch.tensor([[5, 6]])
     for grown in (32, 36):  # the tokenizer's 4 new tokens get the spare rows 32..35
@@ -4367,7 +4421,7 @@ def test_the_held_out_evaluation_runs_outside_the_hybrid_engines_iterations(monk
     trainer = types.SimpleNamespace(hybrid=True, actor_model=actor, eval=lambda: seen.append(("eval", actor.inside)),
                                     reward_model=None, tokenizer=None, z3_enabled=False, pad_to_multiple_of=None,
                                     reward_fn=None, eos_token_id=0)
-    monkeypatch.setattr(ppo, "evaluate_policy", lambda *a, **k: seen.append(("generate", actor.inside)) or "result")
+    monkeypatch.setattr(evaluation, "evaluate_policy", lambda *a, **k: seen.append(("generate", actor.inside)) or "result")
     args = types.SimpleNamespace(eval_max_new_tokens=4, max_answer_seq_len=4, eval_prompts=2, padded_forwards=False)
     assert ppo.held_out_eval(trainer, None, args, "cpu", None) == "result"
     assert seen == [("eval", True), ("generate", True)] and not actor.inside

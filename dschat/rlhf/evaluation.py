@@ -1,4 +1,6 @@
 """Scoring a policy on held-out prompts with the reward model and, where the data has one, a rule scorer."""
+import contextlib
+
 import torch
 
 from dschat.data.samplers import eval_weights
@@ -8,7 +10,7 @@ from dschat.rlhf.layout import forward_layout, reward_scores
 from dschat.rlhf.reward_fn import batch_extras, call_reward_fn
 # (hf_generate: imported from here by step 3, the tools and the pipeline)
 from dschat.rlhf.trainer import answer_mask, answer_texts, hf_generate, pad_answers  # noqa: F401
-from dschat.utils.dist import all_reduce
+from dschat.utils.dist import all_reduce, get_world_size
 
 
 def rule_scorer_for(data_path):
@@ -122,3 +124,24 @@ def _scored_rows(reward_fn, batch, texts, weights):
     for i, score in zip(rows, scores):
         out[i] = score
     return out
+
+
+def held_out_eval(trainer, loader, args, device, scorer):
+    """Step 3's held-out evaluation of ``trainer``'s policy (``DeepSpeedPPOTrainer.evaluate``, a notebook's): greedy
+    answers to ``args.eval_prompts`` of ``loader``'s prompts (over all ranks; 0: all) of at most
+    ``args.eval_max_new_tokens`` (else ``max_answer_seq_len``) tokens, scored by ``evaluate_policy`` as the rollouts
+    are (the trainer's reward model, reward function, stops and padding) and by ``scorer`` (a rule scorer, or None)."""
+    # HF's: the one place that builds its arguments (the rows no token has are never chosen, as in the rollouts)
+    generate = trainer.actor_model.generate if trainer.hybrid else hf_generate(trainer.actor_model.module,
+                                                                               trainer.tokenizer)
+    # the hybrid engine's latency line counts PPO iterations: the evaluation's generations stay out of them
+    outside_iterations = trainer.actor_model.evaluation() if trainer.hybrid else contextlib.nullcontext()
+    with outside_iterations:
+        trainer.eval()
+        return evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
+                               args.eval_max_new_tokens or args.max_answer_seq_len, scorer,
+                               -(-args.eval_prompts // get_world_size()),  # a count over all ranks: each its share
+                               synced_gpus=trainer.z3_enabled and get_world_size() > 1,
+                               pad_to_multiple_of=trainer.pad_to_multiple_of, reward_fn=trainer.reward_fn,
+                               eos_token_id=trainer.eos_token_id,  # (the stops of its rollouts)
+                               padded_forwards=args.padded_forwards)  # (how its rollouts score rows)

@@ -28,7 +28,7 @@ from dschat.rlhf.layout import forward_layout, head_reads, reward_scores
 from dschat.rlhf.config import check_kl_settings, kl_in_loss, optimizer_steps_per_iteration, step3_args
 from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, check_settings, longest_sequence
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
-from dschat.utils.dist import all_reduce, get_world_size, print_rank_0
+from dschat.utils.dist import all_reduce, get_world_size, local_device, print_rank_0
 from dschat.utils.optim import optimizer_step, skipped_steps
 
 # the PPO step's diagnostics that train_rollout returns as means over its micro-batches
@@ -446,7 +446,7 @@ class _ArgsSetting:
     def __set__(self, trainer, value):
         value = checked_setting(self.name, value, f"trainer.{self.name} = {value!r}")
         if self.name == "max_answer_seq_len":
-            trainer._check_answers_fit(value)
+            trainer._check_answers_fit(trainer.args, self.name, value, f"trainer.max_answer_seq_len = {value}")
         setattr(trainer.args, self.name, value)
 
 
@@ -547,16 +547,17 @@ class DeepSpeedPPOTrainer:
             raise UsageError("step 3 needs a reward: a reward model (--reward_model_weight != 0) or --reward_fn")
         self.stats = {}
 
-    def _check_answers_fit(self, max_answer_seq_len):
-        """``trainer.max_answer_seq_len`` may shorten the answers, not lengthen them past what the engine's models were
-        checked and sized for (as a trainer's own args may not: ``check_engine_settings``)."""
+    def _check_answers_fit(self, args, name, value, where):
+        """An answer length of ``args`` (``name``: ``max_answer_seq_len``, ``eval_max_new_tokens``) set to ``value``
+        may shorten the answers, not lengthen them past what the engine's models were checked and sized for (as a
+        trainer's own args may not: ``check_engine_settings``); else a UsageError saying ``where``."""
         longest = getattr(self, "_longest_sized", None)  # (None: a trainer built without __init__)
-        wanted = copy.copy(self.args)
-        wanted.max_answer_seq_len = max_answer_seq_len
+        wanted = copy.copy(args)
+        setattr(wanted, name, value)
         if longest is not None and longest_sequence(wanted) > longest:
-            raise UsageError(f"trainer.max_answer_seq_len = {max_answer_seq_len}: {LONGEST_SEQUENCE_FLAGS} would be "
-                             f"{longest_sequence(wanted)}, longer than the {longest} the engine's models were checked "
-                             "and sized for; build the engine with the longer max_answer_seq_len")
+            raise UsageError(f"{where}: {LONGEST_SEQUENCE_FLAGS} would be {longest_sequence(wanted)}, longer than the "
+                             f"{longest} the engine's models were checked and sized for; build the engine with the "
+                             f"longer {name}")
 
     def _check_engine_settings_kept(self, call):
         """Before ``call`` generates or trains: ``trainer.args`` still hold the settings the engine built its models,
@@ -1212,6 +1213,26 @@ class DeepSpeedPPOTrainer:
         this is, fed it the k1 sum whatever its kl_penalty); the k1 sum of a k3 penalty would steer the coefficient by
         another number (one that can fall below 0)."""
         return answer_kl_sums(exp, reward_kl_estimator(self.args)).mean()
+
+    # --- evaluation ---------------------------------------------------------------------------------------
+    def evaluate(self, loader, eval_prompts=None, eval_max_new_tokens=None):
+        """Step 3's held-out evaluation of the policy as it is now (``held_out_eval``: what step 3 logs before and
+        after PPO): greedy answers to ``loader``'s prompts (``prompt_loaders``' held-out loader), scored by the reward
+        model, the reward function and, for the embedded data (``data_path``), the rule scorer. ``eval_prompts``
+        (counted over all ranks; 0: all) and ``eval_max_new_tokens`` are the trainer's args' unless given. Returns
+        {"reward_mean", "prompts", "examples", "rule_score_mean", "reward_fn_mean", "empty_answers"} (the scores the
+        run has). On several ranks, every rank calls it together."""
+        from dschat.rlhf.evaluation import held_out_eval, rule_scorer_for  # (which imports this module)
+
+        self._check_engine_settings_kept("trainer.evaluate")
+        args = copy.copy(self.args)  # (the given counts are this call's alone)
+        for name, value in (("eval_prompts", eval_prompts), ("eval_max_new_tokens", eval_max_new_tokens)):
+            if value is not None:
+                where = f"trainer.evaluate({name}={value!r})"
+                value = checked_setting(name, value, where)
+                self._check_answers_fit(args, name, value, where)
+                setattr(args, name, value)
+        return held_out_eval(self, loader, args, local_device(), rule_scorer_for(args.data_path))
 
     def update_kl_controller(self, kl, n_steps):
         self.kl_ctl.update(kl, n_steps)

@@ -1,5 +1,4 @@
 """Step 3: PPO of the SFT actor against the step-2 reward model, with held-out evaluation and resume."""
-import contextlib
 import copy
 import json
 import os
@@ -18,7 +17,7 @@ from dschat.rlhf.checkpointing import load_checkpoint, plan_resume, save_checkpo
 from dschat.rlhf.config import (check_earlier_step_outputs, optimizer_steps_per_iteration, step3_args,
                                 whole_iterations)
 from dschat.rlhf.engine import DeepSpeedRLHFEngine, check_step3_settings
-from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
+from dschat.rlhf.evaluation import held_out_eval, rule_scorer_for
 from dschat.rlhf.trainer import (PPO_STEP_STATS, DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised,
                                  first_answer_text)
 from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CHECKPOINTS_DIR, CRITIC_DIR
@@ -135,23 +134,6 @@ def cycle(loader, seed, start=0):
                 yield batch
         skip = 0
         epoch += 1
-
-
-def held_out_eval(trainer, loader, args, device, scorer):
-    # HF's: the one place that builds its arguments (the rows no token has are never chosen, as in the rollouts)
-    generate = trainer.actor_model.generate if trainer.hybrid else hf_generate(trainer.actor_model.module,
-                                                                               trainer.tokenizer)
-    # the hybrid engine's latency line counts PPO iterations: the evaluation's generations stay out of them
-    outside_iterations = trainer.actor_model.evaluation() if trainer.hybrid else contextlib.nullcontext()
-    with outside_iterations:
-        trainer.eval()
-        return evaluate_policy(generate, trainer.reward_model, trainer.tokenizer, loader, device,
-                               args.eval_max_new_tokens or args.max_answer_seq_len, scorer,
-                               -(-args.eval_prompts // get_world_size()),  # a count over all ranks: each its share
-                               synced_gpus=trainer.z3_enabled and get_world_size() > 1,
-                               pad_to_multiple_of=trainer.pad_to_multiple_of, reward_fn=trainer.reward_fn,
-                               eos_token_id=trainer.eos_token_id,  # (the stops of its rollouts)
-                               padded_forwards=args.padded_forwards)  # (how its rollouts score rows)
 
 
 def step3_eval_prompts(eval_prompts, batch, world_size):
