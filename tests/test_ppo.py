@@ -673,6 +673,27 @@ def test_a_notebooks_trainer_evaluates_its_policy_on_the_held_out_prompts_as_ste
         trainer.evaluate(held_out, eval_max_new_tokens=40)
 
 
+def test_a_critic_a_notebook_saves_is_known_as_the_critic_wherever_it_is_saved(trained, tmp_path, capsys):
+    """chat.py --path on step 3's critic saved from a notebook (save_reward_model(engine.critic, ...)) said "a reward
+    model (step 2's output)": a critic was known by its place in a step-3 folder alone, and its files are a reward
+    model's. The engine's critic is saved with its role in reward_model.json; the reward model is not."""
+    from dschat import save_reward_model
+    from dschat.errors import UsageError
+    from dschat.tools import chat, rw_eval
+
+    engine, trainer, tokenizer = _engine_and_trainer(trained, tmp_path)
+    save_reward_model(engine.critic, tokenizer, str(tmp_path / "my_critic"))
+    save_reward_model(engine.reward, tokenizer, str(tmp_path / "my_reward_model"))
+    critic = str(tmp_path / "my_critic")
+    with pytest.raises(UsageError, match=f"^--path {re.escape(critic)}: step 3's critic .*not a policy"):
+        chat.main(["--path", critic, "--prompt", "hi"])
+    with pytest.raises(UsageError, match=r": a reward model or critic \(a value-head model\), not a policy"):
+        chat.main(["--path", str(tmp_path / "my_reward_model"), "--prompt", "hi"])
+    capsys.readouterr()
+    rw_eval.main(["--model_name_or_path", critic, "--prompt", "Say hi.", "--answer", "hi"])  # (scored as a reward)
+    assert f"warning: {critic}: step 3's critic (the value model PPO trains beside the actor)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_logprobs_from_generation_equal_the_actor_forward_and_skip_it(trained, tmp_path, temperature):
     """At --temperature T the decode step's log-probs and the training forward's are both of softmax(logits / T), the

@@ -588,7 +588,13 @@ def test_a_step3_critic_given_as_the_policy_is_said_to_be_the_critic(models, tmp
     (step3 / RUN_ARGS_FILE).write_text("{}")
     with pytest.raises(UsageError, match=f"^--path {re.escape(str(step3 / 'critic'))}: step 3's critic .*not a policy"):
         chat.main(["--path", str(step3 / "critic"), "--prompt", "hi"])
+    step2 = tmp_path / "step2_rm"  # a folder of its own training_args.json: step 2's output
+    shutil.copytree(models["rm"], step2)
+    (step2 / RUN_ARGS_FILE).write_text("{}")
     with pytest.raises(UsageError, match=r"a reward model \(step 2's output\), not a policy"):  # (as before)
+        chat.main(["--path", str(step2), "--prompt", "hi"])
+    # saved elsewhere (a notebook's save_reward_model) and not marked a critic: either, as a critic of an older dschat
+    with pytest.raises(UsageError, match=r"a reward model or critic \(a value-head model\), not a policy"):
         chat.main(["--path", models["rm"], "--prompt", "hi"])
 
 

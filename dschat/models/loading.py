@@ -683,16 +683,22 @@ CRITIC_KIND = "step 3's critic (the value model PPO trains beside the actor)"
 
 def value_model_kind(path):
     """What the value-head folder ``path`` is, in words: step 3 saves its critic as step 2 saves a reward model (the
-    same files), so a critic is known by its place, the critic folder of a step-3 output (its actor, or its
-    training_args.json, beside it); it was called "a reward model (step 2's output)"."""
+    same files), so a critic is known by the role its ``reward_model.json`` names (``saved_as_critic``) or by its
+    place, the critic folder of a step-3 output (its actor, or its training_args.json, beside it); a folder with a
+    training_args.json of its own is step 2's output. Else it may be either (a critic that an older dschat saved
+    elsewhere): it was called "a reward model (step 2's output)" whatever it was."""
+    from dschat.models.reward_model import saved_as_critic
     from dschat.run_layout import ACTOR_DIR, CRITIC_DIR, RUN_ARGS_FILE
 
     folder = os.path.abspath(path)
     step_output = os.path.dirname(folder)
-    if os.path.basename(folder) == CRITIC_DIR and any(os.path.exists(os.path.join(step_output, name))
-                                                      for name in (ACTOR_DIR, RUN_ARGS_FILE)):
+    placed = os.path.basename(folder) == CRITIC_DIR and any(os.path.exists(os.path.join(step_output, name))
+                                                            for name in (ACTOR_DIR, RUN_ARGS_FILE))
+    if placed or saved_as_critic(folder):
         return CRITIC_KIND
-    return "a reward model (step 2's output)"
+    if os.path.isfile(os.path.join(folder, RUN_ARGS_FILE)):
+        return "a reward model (step 2's output)"
+    return "a reward model or critic (a value-head model)"
 
 
 def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):

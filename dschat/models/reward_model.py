@@ -26,6 +26,9 @@ REWARD_META_VERSION = 1
 SCORE_NORMALIZATION_KEY = "score_normalization"
 # ... and for the pad id a *ForSequenceClassification scorer skips at the end of a row (``RewardModel.score_index``).
 SCORE_SKIPS_KEY = "score_skips_token_id"
+# ... and for what the model was trained as, where it is step 3's critic ("critic"): its files are a reward model's, and
+# one saved from a notebook (``save_reward_model``) has no step-3 folder around it to be known by (``value_model_kind``)
+ROLE_KEY, CRITIC_ROLE = "role", "critic"
 # DeepSpeed-Chat's step 2 saves its RewardModel whole in one pytorch_model.bin: the backbone's weights under its
 # attribute's name (misspelt there), the head as "v_head.weight".
 DS_CHAT_WEIGHTS_FILE = "pytorch_model.bin"
@@ -125,6 +128,7 @@ class RewardModel(nn.Module):
         # the pad id transformers' *ForSequenceClassification skips to find the scored token (a TRL reward model loaded
         # to score: ``score_index``), else None
         self.score_skips_token_id = None
+        self.trained_as_critic = False  # step 3's engine sets it on its critic: saved with it (ROLE_KEY)
         self.config = base_model.config
         width, self.head_width_source = value_head_width(base_model, trained_head_width)
         self.v_head = ValueHead(width, fp32=compute_fp32_loss)
@@ -314,6 +318,8 @@ class RewardModel(nn.Module):
             meta[SCORE_NORMALIZATION_KEY] = {"mean": mean, "std": std}
         if self.score_skips_token_id is not None:  # (likewise: saved without it, it would score another token)
             meta[SCORE_SKIPS_KEY] = self.score_skips_token_id
+        if self.trained_as_critic:
+            meta[ROLE_KEY] = CRITIC_ROLE
         with open(os.path.join(folder, REWARD_META_FILE), "w") as f:
             json.dump(meta, f)
 
@@ -494,6 +500,11 @@ def saved_reward_meta(path):
         raise UsageError(f"{file}: version {version} of dschat's reward-model format, newer than this dschat reads "
                          f"(version {REWARD_META_VERSION}): load it with the dschat that saved it, or a newer one")
     return meta
+
+
+def saved_as_critic(path):
+    """Whether ``path`` holds step 3's critic as ``save_reward_model`` saved it (its ``reward_model.json``'s role)."""
+    return saved_reward_meta(path).get(ROLE_KEY) == CRITIC_ROLE
 
 
 def saved_score_normalization(path):

@@ -752,6 +752,7 @@ class DeepSpeedRLHFEngine:
         model = create_critic_model(self.critic_path, self.tokenizer, ds_config, a.num_padding_at_beginning,
                                     rlhf_training=True, dropout=a.critic_dropout, zero_stage=a.critic_zero_stage,
                                     compute_fp32_loss=a.compute_fp32_loss, min_embedding_rows=actor_rows)
+        model.trained_as_critic = True  # (saved so, wherever a notebook saves it: not taken for a reward model)
         say_grown_embeddings(model, self.critic_path, "the critic", actor_rows)
         self._check_sequence_fits(model)
         say_a_dropout_in_training(model, a.critic_dropout, "critic", "--critic_dropout")
