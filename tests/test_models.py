@@ -2007,6 +2007,24 @@ def test_a_hub_model_in_the_cache_turns_offline_mode_on_when_the_hub_cannot_be_r
                                          "reads the hub cache only, as with HF_HUB_OFFLINE=1") == 1
 
 
+def test_a_hub_name_the_cache_lacks_says_the_hub_cannot_be_reached_once(unreachable_hub, hub_cache, capsys):
+    """chat.py --path acme/typo with no network printed "the hub cannot be reached (...): this run reads the hub cache
+    only", then its error said the same reason again. The error alone says it now, whole; offline mode is on all the
+    same."""
+    from huggingface_hub import is_offline_mode
+
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import check_model_path
+
+    reason = "the hub cannot be reached ([Errno -2] Name or service not known)"
+    with pytest.raises(MissingInputError) as error:
+        check_model_path("acme/not-cached", "--path")
+    assert str(error.value) == (f"--path acme/not-cached: no such folder here, nor a model of that name in the Hugging "
+                                f"Face hub cache, and {reason}: check the name or path, or the network (HF_HUB_OFFLINE=1 "
+                                "reads the hub cache without asking the hub)")
+    assert capsys.readouterr().out == "" and is_offline_mode() and len(unreachable_hub) == 1
+
+
 def test_a_hub_dataset_turns_offline_mode_on_when_the_hub_cannot_be_reached(unreachable_hub):
     from huggingface_hub import is_offline_mode
 

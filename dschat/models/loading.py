@@ -198,9 +198,11 @@ def unfetchable_hub_name(name_or_path):
     without the hub client's retries."""
     from huggingface_hub import constants
 
+    not_cached = hub_name_not_cached(name_or_path)
     if is_hub_name(name_or_path):
-        read_hub_cache_only_if_unreachable()
-    why = hub_name_not_cached(name_or_path) and hub_unavailable()
+        # (quietly for a name the cache lacks: the error returned says why, and the notice would say it twice)
+        read_hub_cache_only_if_unreachable(say=not not_cached)
+    why = not_cached and hub_unavailable()
     if not why:
         return None
     offline_by_choice = constants.HF_HUB_OFFLINE and not os.environ.get(HUB_UNREACHABLE_ENV)
@@ -223,10 +225,10 @@ def hub_unavailable():
     return f"the hub cannot be reached ({probe_failure})" if probe_failure else None
 
 
-def read_hub_cache_only_if_unreachable():
+def read_hub_cache_only_if_unreachable(say=True):
     """Before a hub model or dataset is read, with HF_HUB_OFFLINE unset: where the hub does not answer one short
     request (``hub_probe_failure``), offline mode for this process and those it starts (the launcher's ranks,
-    datasets' workers), said once. Without it each file the hub cache lacks (a tokenizer's optional files, a chat
+    datasets' workers), said once (unless not ``say``: an error that follows says why). Without it each file the hub cache lacks (a tokenizer's optional files, a chat
     template, a dataset's lookups) costs the hub client's half a minute of retries: 214 s before step 1 started."""
     from huggingface_hub import constants
 
@@ -236,6 +238,8 @@ def read_hub_cache_only_if_unreachable():
     if failure is None:
         return
     use_hub_cache_only(failure)
+    if not say:
+        return
     from dschat.utils.dist import print_rank_0
 
     print_rank_0(f"the hub cannot be reached ({failure}): this run reads the hub cache only, as with "
