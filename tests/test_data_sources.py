@@ -2365,6 +2365,15 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     assert len(train) == 14 and sorted(map(os.path.basename, set(hashed))) == [shard.name for shard in shards]
 
 
+def on_file_system(monkeypatch, path, file_system):
+    """This process's mounts (``local._mount_file_systems``) say ``path``'s device holds a ``file_system``."""
+    from dschat.data import local
+
+    device = os.stat(path).st_dev
+    monkeypatch.setattr(local, "_mount_file_systems", lambda: {(os.major(device), os.minor(device)): file_system},
+                        raising=False)
+
+
 def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tmp_path, monkeypatch):
     """A data file outside the hub cache (c4 downloaded with --local-dir: ~300 GB) was read whole for its hash by every
     process of every run. Its hash is kept under its stamp: a later process reads none; a write (even one that keeps
@@ -2373,6 +2382,7 @@ def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tm
 
     from dschat.data import local
 
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
     hashed = []
@@ -2404,6 +2414,7 @@ def test_a_kept_content_hash_is_that_of_the_file_opened_not_of_a_stat_before_it(
 
     from dschat.data import local
 
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
     monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
@@ -2444,6 +2455,7 @@ def test_a_kept_content_hash_can_be_read_by_the_other_users_of_a_shared_cache(tm
 
     from dschat.data import local
 
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
     monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
@@ -2454,3 +2466,58 @@ def test_a_kept_content_hash_can_be_read_by_the_other_users_of_a_shared_cache(tm
         os.umask(mask)
     [memo] = glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*"))
     assert stat.S_IMODE(os.stat(memo).st_mode) == 0o644
+
+
+def test_a_files_content_hash_is_kept_only_on_a_file_system_whose_change_time_a_write_sets(tmp_path, monkeypatch):
+    """The kept hash trusted a file's change time everywhere: on a read-only image (squashfs, erofs: an Apptainer
+    image's ctime is the stored mtime, its inodes fixed), a same-size edit in a new image version had the old stamp,
+    and its old hash, so the old file's tokenized data. Kept (read and written) only on a file system known to keep a
+    real change time (ext4 here); on another, or one this process's mounts do not name, hashed by each process."""
+    import glob
+    import hashlib
+
+    import datasets
+
+    from dschat.data import local
+
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    hashed = []
+    file_digest = hashlib.file_digest
+    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+    memos = os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*")
+
+    def hashes_in_new_processes():
+        hashed.clear()
+        for _ in range(3):
+            local.forget_file_digests()  # (a later process)
+            assert local.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest()
+        return len(hashed)
+
+    for file_system in ("squashfs", "erofs", "vfat", "fuse.s3fs", "overlay", None):
+        on_file_system(monkeypatch, tmp_path, file_system)
+        assert hashes_in_new_processes() == 3 and not glob.glob(memos), file_system
+    on_file_system(monkeypatch, tmp_path, "ext4")
+    assert hashes_in_new_processes() == 1 and len(glob.glob(memos)) == 1
+    # (a hash kept on ext4 is not read once the mounts say otherwise: another image of the same stamp)
+    on_file_system(monkeypatch, tmp_path, "squashfs")
+    assert hashes_in_new_processes() == 3
+
+
+def test_a_files_file_system_is_read_from_this_processs_mountinfo(tmp_path, monkeypatch):
+    """The mounts' file systems by device (/proc/self/mountinfo's MAJOR:MINOR and the type after " - "); none where
+    it cannot be read (no /proc: macOS), so nothing is kept there."""
+    from dschat.data import local
+
+    mountinfo = (
+        "27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "36 27 7:3 / /mnt/my\\040image rw,nosuid master:2 shared:3 - squashfs /dev/loop3 ro\n"
+        "40 27 0:45 / /data rw - fuse.s3fs s3fs rw\n")
+    assert local._file_systems_of_mountinfo(mountinfo) == {(254, 0): "ext4", (7, 3): "squashfs", (0, 45): "fuse.s3fs"}
+    local._mount_file_systems.cache_clear()
+    monkeypatch.setattr(local, "MOUNTINFO", str(tmp_path / "none"))
+    try:
+        assert local._mount_file_systems() == {} and not local._keeps_change_time(os.stat(tmp_path).st_dev)
+    finally:
+        local._mount_file_systems.cache_clear()

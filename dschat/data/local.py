@@ -67,6 +67,7 @@ record (and its line where known: JSON Lines, CSV) and the field.
 import ast
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -447,10 +448,19 @@ def hub_blob_sha256(path):
     return name if in_hub_cache and _SHA256_HEX.fullmatch(name) else None
 
 
-# Where a file's sha256 is kept for later processes (``_file_digest``), in datasets' cache beside the Arrow caches it
-# keys (``load_content_keyed``); a file changed less than RACY_WINDOW_NS before it was hashed is not kept (a write in the
-# same tick of the file system's clock would leave its change time as it was)
+# Where a file's sha256 is kept for later processes (``_digest_of_open_file``), in datasets' cache beside the Arrow
+# caches it keys (``load_content_keyed``); a file changed less than RACY_WINDOW_NS before it was hashed is not kept (a
+# write in the same tick of the file system's clock would leave its change time as it was)
 DIGEST_MEMO_FOLDER, RACY_WINDOW_NS = "dschat_file_sha256", 2 * 10**9
+
+# The file systems whose change time a write always moves forward and nothing sets back: a kept hash is used only for
+# a file on one of them. Not on the others: a read-only image's (squashfs, erofs: an Apptainer image's ctime is the
+# stored mtime, its inodes fixed, so a same-size edit in a new image version has the old stamp), FAT's, many FUSE and
+# object-store mounts', overlay's (its lower layers may be such images; a container's files are on it): those files are
+# hashed by each process, as before the hashes were kept.
+CHANGE_TIME_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "tmpfs", "nfs", "nfs4", "lustre",
+                                      "gpfs", "ceph"})
+MOUNTINFO = "/proc/self/mountinfo"
 
 
 _DIGESTS = {}  # {(absolute path, stamp): sha256} read or computed in this process (``forget_file_digests``)
@@ -462,14 +472,16 @@ def _digest_of_open_file(f, path):
     attributes it cached, up to a minute, where its open asks the server), kept for later processes
     (``DIGEST_MEMO_FOLDER``), so that a run's every process, and every later run, did not read the data whole again (a
     c4 config downloaded with --local-dir: ~300 GB each). A write sets the change time, which ``touch`` cannot set
-    back: an edited file has another stamp, and is read. A file written while it was read keeps nothing."""
+    back: an edited file has another stamp, and is read. A file written while it was read keeps nothing, nor one on a
+    file system not known to keep a real change time (``_keeps_change_time``)."""
     stamp = _stat_stamp(os.fstat(f.fileno()))
-    if (digest := _DIGESTS.get((path, stamp)) or _kept_digest(path, stamp)) is None:
+    keeps = _keeps_change_time(stamp[0])
+    if (digest := _DIGESTS.get((path, stamp)) or (_kept_digest(path, stamp) if keeps else None)) is None:
         hashed_at = time.time_ns()
         digest = hashlib.file_digest(f, "sha256").hexdigest()
         if _stat_stamp(os.fstat(f.fileno())) != stamp:  # (what was read is of neither stamp)
             return digest
-        if stamp[-1] < hashed_at - RACY_WINDOW_NS:
+        if keeps and stamp[-1] < hashed_at - RACY_WINDOW_NS:
             _keep_digest(_digest_memo_path(path, stamp), digest)
     _DIGESTS[path, stamp] = digest
     return digest
@@ -477,6 +489,36 @@ def _digest_of_open_file(f, path):
 
 def _stat_stamp(st):
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _keeps_change_time(device):
+    """Whether the file system of ``device`` (a file's ``st_dev``) is one of CHANGE_TIME_FILE_SYSTEMS; False where this
+    process's mounts cannot be read (no /proc: macOS) or none is of that device (a btrfs subvolume not mounted on its
+    own)."""
+    return _mount_file_systems().get((os.major(device), os.minor(device))) in CHANGE_TIME_FILE_SYSTEMS
+
+
+@functools.cache
+def _mount_file_systems():
+    """{(major, minor): file system type} of this process's mounts (MOUNTINFO, read once), empty where unreadable."""
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="replace") as f:
+            return _file_systems_of_mountinfo(f.read())
+    except OSError:
+        return {}
+
+
+def _file_systems_of_mountinfo(text):
+    """{(major, minor): file system type} of a /proc/PID/mountinfo's lines: ``ID PARENT MAJOR:MINOR ROOT MOUNT_POINT
+    OPTIONS [OPTIONAL FIELDS...] - TYPE SOURCE SUPER_OPTIONS`` (spaces in paths written as \\040)."""
+    types = {}
+    for line in text.splitlines():
+        mount, dash, file_system = line.partition(" - ")
+        fields, file_system = mount.split(), file_system.split()
+        major, _, minor = fields[2].partition(":") if dash and len(fields) > 2 and file_system else ("", "", "")
+        if major.isdigit() and minor.isdigit():
+            types[int(major), int(minor)] = file_system[0]
+    return types
 
 
 def forget_file_digests():
