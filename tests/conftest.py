@@ -39,10 +39,12 @@ def distributed():
 
 @pytest.fixture(autouse=True)
 def isolated_hf_cache(tmp_path, monkeypatch):
-    """Keep datasets' Arrow cache of test files out of ~/.cache."""
+    """Keep datasets' Arrow cache of test files (and dschat's kept file hashes) out of ~/.cache: this process's, and
+    that of the processes a test starts (train.py, the deepspeed launcher's ranks), which read the variable."""
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
 @pytest.fixture

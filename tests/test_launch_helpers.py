@@ -1,5 +1,10 @@
 """tests/launch.py's guards for the modules whose fixtures compare one rank with two: on a one-GPU machine their
-one-rank cases run and the two-rank cases skip, instead of every case failing in the fixture's launch."""
+one-rank cases run and the two-rank cases skip, instead of every case failing in the fixture's launch; and the
+conftest's isolation of the processes tests start."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -30,3 +35,13 @@ def test_a_launch_that_can_start_loads_its_results(monkeypatch):
     monkeypatch.setattr(launch, "run_deepspeed", lambda *args, **kwargs: launches.append(args))
     assert launch.launch_and_load("script.py", "root", load=lambda: {"case": 1}) == {"case": 1}
     assert launches == [("script.py", "root")]
+
+
+def test_a_process_a_test_starts_keeps_datasets_cache_in_the_tests_folder(tmp_path):
+    """conftest set datasets' cache folder only in the test's process: train.py or a deepspeed rank started by a test
+    wrote its Arrow caches and kept file hashes into the user's ~/.cache/huggingface/datasets, shared by every run."""
+    import datasets
+
+    code = "import datasets; print(datasets.config.HF_DATASETS_CACHE)"
+    child = subprocess.run([sys.executable, "-c", code], env=os.environ, capture_output=True, text=True, timeout=120)
+    assert child.stdout.strip() == datasets.config.HF_DATASETS_CACHE == str(tmp_path / "hf_cache"), child.stderr
