@@ -2393,10 +2393,15 @@ def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tm
         local.forget_file_digests()
         return local.file_digest(str(data))
 
-    first = digest_in_a_new_process()
-    assert first == hashlib.sha256(data.read_bytes()).hexdigest() and len(hashed) == 1
-    assert digest_in_a_new_process() == first and len(hashed) == 2  # (written just now: not kept)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0, raising=False)  # (as if written long before)
+    # (written just now: not kept, however long the machine stalls between the write and the hash: the window is
+    # wide here, and 2 s, the default, would keep it after a 3 s stall)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 10**18)
+    with monkeypatch.context() as stalled:
+        stalled.setattr(local.time, "time_ns", lambda time_ns=local.time.time_ns: time_ns() + 3 * 10**9)
+        first = digest_in_a_new_process()
+        assert first == hashlib.sha256(data.read_bytes()).hexdigest() and len(hashed) == 1
+        assert digest_in_a_new_process() == first and len(hashed) == 2
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
     assert [digest_in_a_new_process() for _ in range(3)] == [first] * 3 and len(hashed) == 3
     stat = data.stat()
     data.write_text('{"prompt": "Hi?", "chosen": "Hullo."}\n')
