@@ -28,9 +28,9 @@ from dschat.data.raw_datasets import changed_data_files
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS, RUN_ARGS_FILE
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION,
-                                 data_files_as_recorded, finished_run_id, holds_model, listed_data_flags,
-                                 model_identity, older_step_version, read_run_args, spared_by_versions_since,
-                                 step1_loss_weighing)
+                                 STEP_VERSION_CHANGES, STEP_VERSIONS, data_files_as_recorded, family_changes_reaching,
+                                 finished_run_id, holds_model, listed_data_flags, loaded_model_types, model_identity,
+                                 older_step_version, read_run_args, spared_by_versions_since, step1_loss_weighing)
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -160,14 +160,11 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         elif current and not changed:
             plan[step] = Decision(SKIP, _same_output_why(ignored, alike, record, parsed[step], folder))
         elif not current and made_from.current(checkpoint_time(folder), checkpoint):
-            older = older_checkpoint(step, steps, recipe, folder)
-            refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
-            plan[step] = Decision(RESUME, "it was interrupted" + older)
+            plan[step] = resumed_checkpoint(step, steps, recipe, folder, checkpoint, parsed[step], "it was interrupted")
         elif current and checkpoint is not None and longer:
-            older = older_checkpoint(step, steps, recipe, folder)
-            refuse_other_bound_flags(step, steps, folder, checkpoint, parsed[step])
-            plan[step] = Decision(RESUME, "to train on past its finished output ("
-                                          + ", ".join(f"--{name}" for name in changed) + ")" + older)
+            plan[step] = resumed_checkpoint(step, steps, recipe, folder, checkpoint, parsed[step],
+                                            "to train on past its finished output ("
+                                            + ", ".join(f"--{name}" for name in changed) + ")")
         elif current:
             # (a longer run trains on from a checkpoint only: without one it starts over)
             extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
@@ -204,11 +201,33 @@ def step_name(recipe, step):
     return "step2_dpo" if recipe == "dpo" and step == 2 else f"step{step}"
 
 
-def older_checkpoint(step, steps, recipe, folder):
+def resumed_checkpoint(step, steps, recipe, folder, checkpoint, flags, why):
+    """The decision for ``step``, whose last checkpoint in ``folder`` (``checkpoint``: its state) the plan resumes for
+    ``why``, checked as the step's own --resume checks it (``older_checkpoint``, ``refuse_other_bound_flags``): but an
+    older dschat's that a change since reaches by the families of the models the step loads (``flags``) trains afresh,
+    saying so: resumed, its output would record that older version (``recorded_step_version``) and train again at the
+    next --resume."""
+    families = loaded_model_types(flags)
+    older = older_checkpoint(step, steps, recipe, folder, families)
+    name = step_name(recipe, step)
+    reaching = family_changes_reaching((checkpoint or {}).get(STEP_VERSION), name, families) if older else []
+    if reaching:
+        changed = set().union(*(STEP_VERSION_CHANGES[(name, version)].model_types for version in reaching))
+        return Decision(FRESH, f"its last checkpoint in {os.path.join(folder, CHECKPOINTS_DIR)} is an older dschat's "
+                               f"({STEP_VERSION} {checkpoint[STEP_VERSION]} of {name}, {STEP_VERSIONS[name]} now), "
+                               f"whose step version {' and '.join(map(str, reaching))} changed how models of "
+                               f"{', '.join(sorted(families & changed))} train: resumed, its output would train again "
+                               "at the next --resume")
+    refuse_other_bound_flags(step, steps, folder, checkpoint, flags)
+    return Decision(RESUME, why + older)
+
+
+def older_checkpoint(step, steps, recipe, folder, families=None):
     """``step``'s last checkpoint in ``folder``, which the plan resumes, checked as the step's own --resume checks it
-    (``check_same_step``, ``older_dschats_checkpoint``), before any step runs: the step found another step's or a
-    newer dschat's checkpoint when it started, after the steps before it had run. Returns "" for this dschat's, the
-    words to add to the step's line for an older dschat's (resumed, as the step's own --resume does)."""
+    (``check_same_step``, ``older_dschats_checkpoint``; ``families``: those of the models the step loads), before any
+    step runs: the step found another step's or a newer dschat's checkpoint when it started, after the steps before it
+    had run. Returns "" for this dschat's, the words to add to the step's line for an older dschat's (resumed, as the
+    step's own --resume does)."""
     from dschat.utils.checkpoints import check_same_step, older_dschats_checkpoint
 
     root, name = os.path.join(folder, CHECKPOINTS_DIR), step_name(recipe, step)
@@ -218,7 +237,7 @@ def older_checkpoint(step, steps, recipe, folder):
     except UsageError as error:
         raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
     older = older_dschats_checkpoint(root, tag, name, f"Resume it with that dschat, or train step {step} afresh with "
-                                                      f"this one ({afresh_flags(step, steps)})")
+                                                      f"this one ({afresh_flags(step, steps)})", families)
     return f"; {older}" if older else ""
 
 

@@ -315,6 +315,71 @@ def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by
     assert plan_steps([2], "dpo", str(tmp_path), {2: FLAGS})[2] == (RESUME, "it was interrupted")
 
 
+def test_an_older_dschats_checkpoint_trains_afresh_where_a_change_reaches_its_models_families(tmp_path):
+    """train.py --resume resumed an older dschat's interrupted checkpoint whatever change since reached it (no folder:
+    the families of its models unknown), with a note: an RWKV step 2 resumed from one of version 1 finished as an
+    output of version 1 (``recorded_step_version``), which the next --resume trains again (the run wasted), and an OPT
+    one, which no change since reaches, got the note too. The families are read from the models the step loads (its
+    --model_name_or_path's config.json): a change reaching them trains the step afresh at once, saying why; one that
+    reaches none resumes unsaid; unknown families resume with the note, as before."""
+    finish(tmp_path, 1, 100), checkpoint(tmp_path, 2, 150)
+    state_file = Path(trainer_folder(str(tmp_path / FOLDERS[2] / "checkpoints"), "step_0000001")) / "state.json"
+    state_file.write_text(json.dumps({**this_checkpoint(2), STEP_VERSION: STEP_VERSIONS["step2"] - 1}))
+    model = tmp_path / "model"
+    model.mkdir()
+
+    def step_2_of(model_type):
+        if model_type is not None:
+            (model / "config.json").write_text(json.dumps({"model_type": model_type}))
+        flags = Namespace(**{**vars(FLAGS), "model_name_or_path": str(model)})
+        return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: flags, 3: FLAGS})[2]
+
+    before = STEP_VERSIONS["step2"] - 1
+    assert step_2_of(None).why.startswith("it was interrupted; checkpoint step_0000001 in ")  # (no config: unknown)
+    assert "is an older dschat's" in step_2_of(None).why
+    assert step_2_of("opt") == (RESUME, "it was interrupted")
+    assert step_2_of("rwkv") == (FRESH, f"its last checkpoint in {tmp_path / FOLDERS[2] / 'checkpoints'} is an older "
+                                        f"dschat's (step_version {before} of step2, {before + 1} now), whose step "
+                                        f"version {before + 1} changed how models of rwkv train: resumed, its output "
+                                        "would train again at the next --resume")
+    # the step's own --resume says the same of it (its run's models: ``loaded_model_types``)
+    from dschat.steps.common import loaded_model_types
+    from dschat.utils.checkpoints import older_dschats_checkpoint
+
+    root = str(tmp_path / FOLDERS[2] / "checkpoints")
+    assert loaded_model_types(Namespace(model_name_or_path=str(model))) == frozenset({"rwkv"})
+    assert older_dschats_checkpoint(root, "step_0000001", "step2", families=frozenset({"rwkv"})) is not None
+    assert older_dschats_checkpoint(root, "step_0000001", "step2", families=frozenset({"opt"})) is None
+    assert older_dschats_checkpoint(root, "step_0000001", "step2") is not None  # (unknown)
+
+
+def test_an_older_step3_checkpoint_trains_afresh_where_a_change_reaches_one_of_its_models(tmp_path):
+    """Step 3 alike: its actor's family, its critic's (with GAE) and its reward model's; a change of flags the
+    checkpoint's state cannot tell (version 2's, --enable_ema) still resumes it with the note."""
+    finish(tmp_path, 1, 100), finish(tmp_path, 2, 200), checkpoint(tmp_path, 3, 300)
+    state_file = Path(trainer_folder(str(tmp_path / FOLDERS[3] / "checkpoints"), "iter_0000001")) / "state.json"
+    models = {}
+    for part in ("actor", "critic", "rm"):
+        models[part] = tmp_path / part
+        models[part].mkdir()
+
+    def step_3_of(version, actor, critic, rm):
+        state_file.write_text(json.dumps({**this_checkpoint(3), STEP_VERSION: version}))
+        for part, model_type in (("actor", actor), ("critic", critic), ("rm", rm)):
+            (models[part] / "config.json").write_text(json.dumps({"model_type": model_type}))
+        flags = Namespace(**{**vars(FLAGS), "actor_model_name_or_path": str(models["actor"]),
+                             "critic_model_name_or_path": str(models["critic"]), "advantage_estimator": "gae",
+                             "reward_model_name_or_path": str(models["rm"]), "reward_model_weight": 1.0})
+        return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: FLAGS, 3: flags})[3]
+
+    now = STEP_VERSIONS["step3"]
+    assert step_3_of(now - 1, "llama", "llama", "opt") == (RESUME, "it was interrupted")
+    for reached in (("xlstm", "llama", "llama"), ("llama", "rwkv", "llama"), ("llama", "llama", "rwkv")):
+        assert step_3_of(now - 1, *reached).action == FRESH
+    assert "is an older dschat's" in step_3_of(now - 2, "llama", "llama", "llama").why  # (version 2: flags)
+    assert step_3_of(now - 2, "rwkv", "llama", "llama").action == FRESH
+
+
 def test_a_newer_dschats_output_given_other_flags_trains_afresh_instead_of_being_refused(tmp_path):
     """A newer dschat's finished output is refused where --resume would keep it (skip it, or train on from its
     checkpoint); given other flags the step trains afresh anyway, replacing it, as it did before steps recorded their

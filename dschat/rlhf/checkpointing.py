@@ -26,8 +26,8 @@ from dschat.rlhf.config import whole_iterations
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (STEP_VERSION, TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
-                                 recorded_step_version, restart_deepspeed_tensorboard, step_data_records,
-                                 tokenizer_record)
+                                 loaded_model_types, recorded_step_version, restart_deepspeed_tensorboard,
+                                 step_data_records, tokenizer_record)
 from dschat.utils.checkpoints import (ACTOR, CRITIC, MODEL_STATES, RANK_MODEL_STATES, STEP_NAME, TRAINER, ResumePlan,
                                       check_complete, check_engine_files, check_position, check_same_flags,
                                       check_same_products, check_same_step, check_universal_fit, clear_tag,
@@ -531,7 +531,7 @@ def check_resumable(trainer, root, tag, planned=False):
     convertible and an iteration of the same global shape (``check_iteration_shape``). Returns (its saved state, less
     the flags; the number of ranks that saved it)."""
     check_same_step(root, tag, STEP)
-    say_an_older_dschats_checkpoint(root, tag, STEP)
+    say_an_older_dschats_checkpoint(root, tag, STEP, loaded_model_types(trainer.args))
     saved_ranks = check_complete(root, tag, (ACTOR,))
     other_ranks = saved_ranks != get_world_size()
     if other_ranks and not planned:

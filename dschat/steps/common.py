@@ -475,27 +475,28 @@ STEP_VERSION_CHANGES = {
 }
 
 
-def version_changes_since(then, name, record, folder=None):
+def version_changes_since(then, name, record, folder=None, families=None):
     """(reached, spared): the versions of step ``name`` after ``then`` up to this dschat's, split by whether their
     change reaches the output or checkpoint recorded as ``record`` (``STEP_VERSION_CHANGES``; None: unknown, reached)
-    and, for a change of some families alone, made in ``folder`` (the finished output's: ``output_model_types``; None,
-    a checkpoint's: reached)."""
-    families = functools.cache(lambda: None if folder is None else output_model_types(folder, record))
+    and, for a change of some families alone, made in ``folder`` (the finished output's: ``output_model_types``) or of
+    ``families`` (a checkpoint's: those its run loads, ``loaded_model_types``); neither known: reached."""
+    known = functools.cache(lambda: families if families is not None else
+                            None if folder is None else output_model_types(folder, record))
     reached, spared = [], []
     for version in range(then + 1, STEP_VERSIONS[name] + 1):
         change = STEP_VERSION_CHANGES.get((name, version))
-        (reached if _change_reaches(change, record, families) else spared).append(version)
+        (reached if _change_reaches(change, record, known) else spared).append(version)
     return reached, spared
 
 
 def _change_reaches(change, record, families):
     """Whether ``change`` (None: a version with no entry, every output) reaches the output or checkpoint recorded as
     ``record`` (None: unknown, reached), whose models are of the families ``families()`` (None: unknown)."""
-    if change is None or record is None:
+    if change is None:
         return True
     if change.model_types is not None and families() is not None and not families() & change.model_types:
-        return False  # (an output of other families)
-    return change.reaches(record)
+        return False  # (an output of other families, whatever else its record says)
+    return record is None or change.reaches(record)
 
 
 # A finished output's model folders, by step (their config.json names each one's family): step 3's actor, its EMA copy
@@ -516,6 +517,19 @@ def output_model_types(folder, record):
     flags = _recorded(record)
     if record.get("step") == "step3" and flags.get("reward_model_weight", 1.0):  # (0: it scored with none)
         types.append(_model_type_in(_reward_model_path(flags, record.get("cwd", os.getcwd()))))
+    return _known_families(types)
+
+
+def loaded_model_types(args):
+    """The backbone families (config.model_type) of the models the step of ``args`` loads (``loaded_model_paths``:
+    a local folder from the working folder, or the hub cache's copy), which a version change of some families alone
+    is judged by where no finished output holds them yet: a checkpoint its run resumes trained the same models. None
+    where any cannot be read."""
+    return _known_families([_model_type_in(path) for path in loaded_model_paths(args)])
+
+
+def _known_families(types):
+    """``types`` as a frozenset, None where any is unknown (None) or there are none."""
     return frozenset(types) if types and None not in types else None
 
 
@@ -548,13 +562,14 @@ def _model_type_in(path):
     return saved.get("model_type") if saved else None
 
 
-def older_step_version(then, name, where, made, remedy, record=None, folder=None):
+def older_step_version(then, name, where, made, remedy, record=None, folder=None, families=None):
     """How version ``then`` of step ``name`` (``STEP_VERSION``), read from ``where`` (the file that records it, a step's
     ``made``: "output" or "checkpoint"), is an older dschat's than this one (``STEP_VERSIONS``) whose changes since
     reach it (``version_changes_since``; ``record``: what ``where`` recorded of its run, None: every change reaches
-    it; ``folder``: an output's, whose models' families a change of some families alone is judged by): the words to
-    say of it ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's or no change
-    since reaches it. A newer dschat's (or a value no dschat records) is a UsageError naming ``where``, with
+    it but one of other families than its models'; ``folder``: an output's, whose models' families a change of some
+    families alone is judged by; ``families``: those, where known otherwise, a checkpoint's): the words to say of it
+    ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's or no change since
+    reaches it. A newer dschat's (or a value no dschat records) is a UsageError naming ``where``, with
     ``remedy``: what to do instead."""
     now = STEP_VERSIONS.get(name)
     if then is None:
@@ -563,10 +578,22 @@ def older_step_version(then, name, where, made, remedy, record=None, folder=None
         latest = f"its latest is {now}" if now is not None else "nor a step of that name"
         raise UsageError(f"{where} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
                          f"({latest}): a newer dschat's {made}, whose step this one may train otherwise. {remedy}")
-    if then < now and version_changes_since(then, name, record, folder)[0]:
+    if then < now and version_changes_since(then, name, record, folder, families)[0]:
         return (f"an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: STEP_VERSIONS in "
                 "dschat/steps/common.py says what changed)")
     return None
+
+
+def family_changes_reaching(then, name, families):
+    """The versions of step ``name`` after ``then`` (an older dschat's checkpoint's) whose change of some families
+    alone (``VersionChange.model_types``) reaches a model of ``families`` (known: those the run resuming it loads,
+    ``loaded_model_types``): the output of that run would record ``then`` (``recorded_step_version``) and train again
+    at the next train.py --resume. [] where none does, or ``then`` or ``families`` is unknown."""
+    if families is None or type(then) is not int:
+        return []
+    reached = version_changes_since(then, name, None, families=families)[0]
+    return [version for version in reached
+            if getattr(STEP_VERSION_CHANGES.get((name, version)), "model_types", None) is not None]
 
 
 def spared_by_versions_since(then, name, record, folder=None):

@@ -22,7 +22,7 @@ from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
 from dschat.steps.common import (STEP_VERSION, TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
-                                 keep_resumed_inputs, recorded_data_flags, recorded_step_version,
+                                 keep_resumed_inputs, loaded_model_types, recorded_data_flags, recorded_step_version,
                                  restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
                                  schedule_length_flags, step_data_records, taken_data_flags)
 from dschat.utils.checkpoints import (DATA_SOURCE_FLAGS, MODEL, STEP_NAME, ResumePlan, check_complete,
@@ -135,7 +135,7 @@ def _checked_latest(args, step, tokenizer=None):
     if tag is None:
         return None
     check_same_step(root, tag, step)
-    say_an_older_dschats_checkpoint(root, tag, step)
+    say_an_older_dschats_checkpoint(root, tag, step, loaded_model_types(args))
     saved_ranks = check_complete(root, tag, (MODEL,))
     state = read_trainer_state(root, tag)
     saved = recorded_flags_now(state.pop("flags", {}), step)  # (a flag it predates: the value it trained with)

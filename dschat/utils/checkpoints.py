@@ -216,19 +216,22 @@ def check_same_step(root, tag, step):
                          f"{saved}'s checkpoints)")
 
 
-def say_an_older_dschats_checkpoint(root, tag, step):
+def say_an_older_dschats_checkpoint(root, tag, step, families=None):
     """--resume of checkpoint ``tag`` of ``step`` (rank 0's, once): one saved by an older dschat, whose trainer state
     records an older step version than this dschat's (``STEP_VERSION``), or none (saved before checkpoints recorded
-    it), is resumed, said in one line, as its step may have trained otherwise until there (its output then records this
-    dschat's version); one of a newer dschat is a UsageError naming its state.json (``older_dschats_checkpoint``)."""
-    older = older_dschats_checkpoint(root, tag, step)
+    it), is resumed, said in one line, as its step may have trained otherwise until there (its output then records that
+    version, ``recorded_step_version``), unless no change since reaches the families of its models (``families``:
+    those the run loads, ``loaded_model_types``; None: unknown); one of a newer dschat is a UsageError naming its
+    state.json (``older_dschats_checkpoint``)."""
+    older = older_dschats_checkpoint(root, tag, step, families=families)
     if older:
         print_rank_0(f"[{step}] --resume: {older}")
 
 
-def older_dschats_checkpoint(root, tag, step, remedy=None):
+def older_dschats_checkpoint(root, tag, step, remedy=None, families=None):
     """What resuming checkpoint ``tag`` of ``step`` (a step name, "step1", ...) in ``root`` takes on where an older
-    dschat saved it (``older_step_version``: an older step version, or none recorded), None where this dschat did. One
+    dschat saved it (``older_step_version``: an older step version, or none recorded), None where this dschat did, or
+    where no change since reaches the families of its models (``families``: those the run loads, None: unknown). One
     of a newer dschat is a UsageError naming its state.json, with ``remedy`` (default: the step's own --resume's).
     Read before any model loads (the step's own --resume, ``train.py --resume``'s plan): a newer dschat's checkpoint
     was refused only once the step's model had loaded."""
@@ -237,10 +240,10 @@ def older_dschats_checkpoint(root, tag, step, remedy=None):
     state = read_trainer_state(root, tag) or {}
     remedy = remedy or (f"Resume it with that dschat, or train {step} afresh with this one (without --resume, which "
                         "removes its checkpoints)")
-    # (no record: every change since is said to reach it, as its state keeps only some of the flags its run had, and
-    # not those of the runs it was resumed from)
+    # (no record: every change since but one of other families is said to reach it, as its state keeps only some of
+    # the flags its run had, and not those of the runs it was resumed from)
     older = older_step_version(state.get(STEP_VERSION), step, os.path.join(trainer_folder(root, tag), "state.json"),
-                               "checkpoint", remedy)
+                               "checkpoint", remedy, families=families)
     return older and (f"checkpoint {tag} in {root} is {older}; resumed all the same, though its step may have trained "
                       f"otherwise until {tag}")
 
