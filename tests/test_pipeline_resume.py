@@ -241,8 +241,10 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
     record_file = tmp_path / FOLDERS[2] / "training_args.json"
     record = json.loads(record_file.read_text())
 
-    def step_2_with(version):
-        record_file.write_text(json.dumps({**record, STEP_VERSION: version}))
+    def step_2_with(version, null=False):
+        """(None: no version recorded, as before outputs did; ``null``: null, as one resumed from such a checkpoint)"""
+        recorded = {STEP_VERSION: version} if version is not None or null else {}
+        record_file.write_text(json.dumps({**record, **recorded}))
         return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: longer, 3: FLAGS})
 
     then = STEP_VERSIONS["step2"]
@@ -254,6 +256,11 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
                                    f"outputs recorded the step's version (no step_version in {record_file}), which may "
                                    "have trained it otherwise")
     assert decisions[3] == (FRESH, "it starts from step 2's new output")
+    # (null: an output resumed from such a checkpoint, ``recorded_step_version``, says so, not "no step_version")
+    assert step_2_with(None, null=True)[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is one resumed "
+                                                      "from a checkpoint of a dschat from before checkpoints recorded "
+                                                      f"the step's version (step_version null in {record_file}), which "
+                                                      "may have trained it otherwise")
     # a change of what step 2 makes (no STEP_VERSION_CHANGES entry: every output), since step 2 finished under ``then``
     monkeypatch.setitem(STEP_VERSIONS, "step2", then + 1)
     assert step_2_with(then)[2] == (FRESH, f"its finished output in {tmp_path / FOLDERS[2]} is an older dschat's "
@@ -279,8 +286,10 @@ def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by
     state_file = Path(trainer_folder(str(root), "iter_0000001")) / "state.json"
     same, longer = (Namespace(**{**vars(FLAGS), "max_steps": steps}) for steps in (4, 8))  # (longer: trained on)
 
-    def step_3_with(version, step2=same):
-        state_file.write_text(json.dumps({**this_checkpoint(3), STEP_VERSION: version}))
+    def step_3_with(version, step2=same, null=False):
+        """(None: no version recorded, as before checkpoints did; ``null``: null, as one saved after resuming such)"""
+        recorded = {STEP_VERSION: version} if version is not None or null else {}
+        state_file.write_text(json.dumps({STEP_NAME: "step3", **recorded}))
         return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: step2, 3: FLAGS})
 
     assert step_3_with(STEP_VERSIONS["step3"])[3] == (RESUME, "it was interrupted")
@@ -288,6 +297,10 @@ def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by
                                             "from before its checkpoints recorded the step's version (no step_version "
                                             f"in {state_file}); resumed all the same, though its step may have trained "
                                             "otherwise until iter_0000001")
+    assert step_3_with(None, null=True)[3] == (
+        RESUME, f"it was interrupted; checkpoint iter_0000001 in {root} is one resumed from a checkpoint of a dschat "
+                f"from before checkpoints recorded the step's version (step_version null in {state_file}); resumed all "
+                "the same, though its step may have trained otherwise until iter_0000001")
     monkeypatch.setitem(STEP_VERSIONS, "step3", 2)
     assert "it was interrupted; checkpoint iter_0000001 in " in step_3_with(1)[3].why
     assert "is an older dschat's (step_version 1 of step3, 2 now: STEP_VERSIONS in " in step_3_with(1)[3].why
@@ -410,7 +423,9 @@ def test_a_step_asked_to_read_an_older_dschats_output_uses_it_saying_so_and_refu
     step2 = Namespace(model_name_or_path=str(tmp_path / FOLDERS[1]))
 
     def step_2_reads(version):
-        record_file.write_text(json.dumps({**record, STEP_VERSION: version}))
+        """(None: no version recorded, as before outputs did)"""
+        recorded = {} if version is None else {STEP_VERSION: version}
+        record_file.write_text(json.dumps({**record, **recorded}))
         pipeline.check_earlier_outputs(2, [2, 3], args, step2)
         return capsys.readouterr().out
 

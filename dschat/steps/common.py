@@ -562,7 +562,7 @@ def _model_type_in(path):
     return saved.get("model_type") if saved else None
 
 
-def older_step_version(then, name, where, made, remedy, record=None, folder=None, families=None):
+def older_step_version(then, name, where, made, remedy, record=None, folder=None, families=None, null=None):
     """How version ``then`` of step ``name`` (``STEP_VERSION``), read from ``where`` (the file that records it, a step's
     ``made``: "output" or "checkpoint"), is an older dschat's than this one (``STEP_VERSIONS``) whose changes since
     reach it (``version_changes_since``; ``record``: what ``where`` recorded of its run, None: every change reaches
@@ -570,10 +570,11 @@ def older_step_version(then, name, where, made, remedy, record=None, folder=None
     families alone is judged by; ``families``: those, where known otherwise, a checkpoint's): the words to say of it
     ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's or no change since
     reaches it. A newer dschat's (or a value no dschat records) is a UsageError naming ``where``, with
-    ``remedy``: what to do instead."""
+    ``remedy``: what to do instead. ``null``: whether ``where`` records ``then`` None as null, not without the key
+    (None: whether ``record`` holds the key)."""
     now = STEP_VERSIONS.get(name)
     if then is None:
-        return f"of a dschat from before its {made}s recorded the step's version (no {STEP_VERSION} in {where})"
+        return _unversioned(made, where, STEP_VERSION in (record or {}) if null is None else null)
     if now is None or type(then) is not int or then > now:  # (bool is an int: not a version)
         latest = f"its latest is {now}" if now is not None else "nor a step of that name"
         raise UsageError(f"{where} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
@@ -582,6 +583,16 @@ def older_step_version(then, name, where, made, remedy, record=None, folder=None
         return (f"an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: STEP_VERSIONS in "
                 "dschat/steps/common.py says what changed)")
     return None
+
+
+def _unversioned(made, where, null):
+    """The words for a step's ``made`` ("output" or "checkpoint") whose ``where`` records no step version: without the
+    key, an older dschat's from before they recorded it; null, one of this dschat's runs resumed from such a checkpoint
+    (``recorded_step_version``)."""
+    if null:
+        return (f"one resumed from a checkpoint of a dschat from before checkpoints recorded the step's version "
+                f"({STEP_VERSION} null in {where})")
+    return f"of a dschat from before its {made}s recorded the step's version (no {STEP_VERSION} in {where})"
 
 
 def family_changes_reaching(then, name, families):

@@ -243,7 +243,7 @@ def older_dschats_checkpoint(root, tag, step, remedy=None, families=None):
     # (no record: every change since but one of other families is said to reach it, as its state keeps only some of
     # the flags its run had, and not those of the runs it was resumed from)
     older = older_step_version(state.get(STEP_VERSION), step, os.path.join(trainer_folder(root, tag), "state.json"),
-                               "checkpoint", remedy, families=families)
+                               "checkpoint", remedy, families=families, null=STEP_VERSION in state)
     return older and (f"checkpoint {tag} in {root} is {older}; resumed all the same, though its step may have trained "
                       f"otherwise until {tag}")
 
