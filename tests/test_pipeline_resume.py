@@ -12,7 +12,7 @@ import torch
 from dschat import pipeline
 from dschat.errors import UsageError
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
-from dschat.steps.common import RWKV_SAVE, STEP_VERSION, STEP_VERSION_CHANGES, STEP_VERSIONS
+from dschat.steps.common import STEP_VERSION, STEP_VERSIONS
 from dschat.utils.checkpoints import STEP_NAME, latest_tag, tag_of, trainer_folder
 from launch import REPO
 
@@ -1339,10 +1339,10 @@ def test_an_older_dschats_output_that_no_change_since_reaches_is_skipped_saying_
         (dpo / "training_args.json").write_text(json.dumps(record))
         return plan_steps([2], "dpo", str(tmp_path), {2: Namespace(**recorded)}, world_size=world_size or 1)[2]
 
-    spared = (SKIP, "its output is step_version 1 of step2_dpo (3 now), which trained it as this dschat does: version 2 "
-                    "changed how --rpo_alpha's NLL term is weighed (by --loss_agg; 1 took each micro-batch's own mean), "
-                    "which leaves an output without --rpo_alpha alike, or one whose --loss_agg weighs the term as that "
-                    f"mean; version 3 changed {RWKV_SAVE}, which leaves an output of another family than RWKV alike")
+    spared = (SKIP, "its output is step_version 1 of step2_dpo (3 now), which no change since reaches: version 2 "
+                    "(--rpo_alpha's term weighing) leaves a run without --rpo_alpha, or whose --loss_agg weighs it as "
+                    "1 did, alike; version 3 (RWKV saves) reaches models of rwkv alone (STEP_VERSION_CHANGES in "
+                    "dschat/steps/common.py)")
     older = (FRESH, f"its finished output in {dpo} is an older dschat's (step_version 1 of step2_dpo, 3 now: "
                     "STEP_VERSIONS in dschat/steps/common.py says what changed), which may have trained it otherwise")
     assert dpo_of_version_1(rpo_alpha=0.0) == spared
@@ -1390,10 +1390,9 @@ def test_a_version_change_of_some_families_alone_trains_their_older_outputs_alon
         now = Namespace(**{**vars(FLAGS), **flags})
         return plan_steps([step], "ppo", str(tmp_path), {step: now}, rm_from_sft=False)[step]
 
-    said = STEP_VERSION_CHANGES[("step2", 2)].said
     assert of_the_version_before(2, {".": "opt"}) == (
-        SKIP, f"its output is step_version 1 of step2 (2 now), which trained it as this dschat does: version 2 changed "
-              f"{said}, which leaves an output of another family than RWKV alike")
+        SKIP, "its output is step_version 1 of step2 (2 now), which no change since reaches: version 2 (RWKV saves and "
+              "width probe) reaches models of rwkv alone (STEP_VERSION_CHANGES in dschat/steps/common.py)")
     older = f"is an older dschat's (step_version 1 of step2, 2 now: STEP_VERSIONS in dschat/steps/common.py says what"
     assert older in of_the_version_before(2, {".": "rwkv"}).why
     (tmp_path / FOLDERS[2] / "config.json").unlink()
@@ -1439,12 +1438,10 @@ def test_a_step3_output_of_version_1_trains_again_only_where_it_kept_an_ema_or_m
 
     assert step3_of_version_1(enable_ema=False, mask_truncated_answers=True).action == FRESH
     assert step3_of_version_1(enable_ema=False, mask_truncated_answers=False) == (
-        SKIP, "its output is step_version 1 of step3 (3 now), which trained it as this dschat does: version 2 changed "
-              "--enable_ema's average (a skipped optimizer step no longer ticks it) and, within version 1, "
-              "--mask_truncated_answers' steps of no token (skipped, not taken with zero gradients), which an output "
-              "without --enable_ema and without --mask_truncated_answers does not meet; version 3 changed "
-              f"{STEP_VERSION_CHANGES[('step3', 3)].said}, which leaves an output whose actor, critic and reward model "
-              "are of none of deepseek_v4, recurrent_gemma, rwkv, xlstm alike")
+        SKIP, "its output is step_version 1 of step3 (3 now), which no change since reaches: version 2 "
+              "(--enable_ema's average, --mask_truncated_answers' empty steps) reaches a run with either alone; "
+              "version 3 (RWKV saves and width probe, generation without left padding) reaches models of deepseek_v4, "
+              "recurrent_gemma, rwkv, xlstm alone (STEP_VERSION_CHANGES in dschat/steps/common.py)")
     assert step3_of_version_1(enable_ema=False).action == FRESH  # (no --mask_truncated_answers recorded: not told)
     assert step3_of_version_1(enable_ema=True, mask_truncated_answers=False).why.endswith(
         "is an older dschat's (step_version 1 of step3, 3 now: STEP_VERSIONS in dschat/steps/common.py says what "

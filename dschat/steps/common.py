@@ -399,16 +399,22 @@ STEP_VERSION = "step_version"
 
 
 class VersionChange(NamedTuple):
-    """What version N of a step changed (``said``), and which outputs of the version before it it reaches:
-    ``reaches(record)``, whether the run recorded as ``record`` (its training_args.json: its "flags" and "world_size")
-    trained otherwise than this version does with the same flags, True where the record cannot tell (a flag it lacks);
-    ``spared``: the outputs it does not reach (a clause after ``said``), said where one is skipped; ``model_types``:
-    the backbone families (config.model_type) whose outputs alone it changed, an output of none of them spared
+    """What version N of a step changed (``said``, in full; ``topic``, in a few words for the line of an output it
+    spares), and which outputs of the version before it it reaches: ``reaches(record)``, whether the run recorded as
+    ``record`` (its training_args.json: its "flags" and "world_size") trained otherwise than this version does with the
+    same flags, True where the record cannot tell (a flag it lacks); ``spared``: the outputs it reaches alone, in a few
+    words (a clause after ``topic``), said where one is skipped ("": those of ``model_types``); ``model_types``: the
+    backbone families (config.model_type) whose outputs alone it changed, an output of none of them spared
     (``output_model_types``; None: every family's)."""
     said: str
+    topic: str
     reaches: Callable
-    spared: str
+    spared: str = ""
     model_types: frozenset = None
+
+    def reached_alone(self):
+        """The outputs it reaches alone, in a few words (``spared``)."""
+        return self.spared or f"reaches models of {', '.join(sorted(self.model_types))} alone"
 
 
 def _recorded(record):
@@ -448,7 +454,6 @@ RWKV = frozenset({"rwkv"})
 RWKV_SAVE = ("how an RWKV model is saved (its weights as trained: its last eval-mode forward had divided some in "
              "place, transformers' rescale_every, and the save kept them divided)")
 RWKV_PROBE = "the RWKV weights the value head's width probe, run on the loaded backbone, left divided"
-RWKV_SPARED = "which leaves an output of another family than RWKV alike"
 # An actor of these families generates each row (HF generate) or each prompt length (the hybrid engine) without its
 # padding, RecurrentGemma from fresh states each time (an RWKV critic or reward model: RWKV_PROBE).
 LEFT_PADDING_GENERATION = ("how an actor of a family whose outputs left padding moves generates (without its padding; "
@@ -456,22 +461,20 @@ LEFT_PADDING_GENERATION = ("how an actor of a family whose outputs left padding 
 
 STEP_VERSION_CHANGES = {
     ("step2_dpo", 2): VersionChange("how --rpo_alpha's NLL term is weighed (by --loss_agg; 1 took each micro-batch's own "
-                                    "mean)", rpo_term_weighed_otherwise,
-                                    "which leaves an output without --rpo_alpha alike, or one whose --loss_agg weighs "
-                                    "the term as that mean"),
+                                    "mean)", "--rpo_alpha's term weighing", rpo_term_weighed_otherwise,
+                                    "leaves a run without --rpo_alpha, or whose --loss_agg weighs it as 1 did, alike"),
     ("step3", 2): VersionChange("--enable_ema's average (a skipped optimizer step no longer ticks it) and, within "
                                 "version 1, --mask_truncated_answers' steps of no token (skipped, not taken with zero "
-                                "gradients)", ema_or_no_token_steps,
-                                "which an output without --enable_ema and without --mask_truncated_answers does not "
-                                "meet"),
-    ("step1", 2): VersionChange(RWKV_SAVE, whatever_its_flags, RWKV_SPARED, RWKV),
-    ("step2", 2): VersionChange(f"{RWKV_SAVE} and {RWKV_PROBE}", whatever_its_flags, RWKV_SPARED, RWKV),
-    ("step2_dpo", 3): VersionChange(RWKV_SAVE, whatever_its_flags, RWKV_SPARED, RWKV),
+                                "gradients)", "--enable_ema's average, --mask_truncated_answers' empty steps",
+                                ema_or_no_token_steps, "reaches a run with either alone"),
+    ("step1", 2): VersionChange(RWKV_SAVE, "RWKV saves", whatever_its_flags, model_types=RWKV),
+    ("step2", 2): VersionChange(f"{RWKV_SAVE} and {RWKV_PROBE}", "RWKV saves and width probe", whatever_its_flags,
+                                model_types=RWKV),
+    ("step2_dpo", 3): VersionChange(RWKV_SAVE, "RWKV saves", whatever_its_flags, model_types=RWKV),
     ("step3", 3): VersionChange(f"{RWKV_SAVE}, {RWKV_PROBE} (its critic's and reward model's) and "
-                                f"{LEFT_PADDING_GENERATION}", whatever_its_flags,
-                                "which leaves an output whose actor, critic and reward model are of none of "
-                                f"{', '.join(sorted(LEFT_PADDING_MOVES_SCORES))} alike",
-                                frozenset(LEFT_PADDING_MOVES_SCORES)),
+                                f"{LEFT_PADDING_GENERATION}",
+                                "RWKV saves and width probe, generation without left padding", whatever_its_flags,
+                                model_types=frozenset(LEFT_PADDING_MOVES_SCORES)),
 }
 
 
@@ -616,9 +619,10 @@ def spared_by_versions_since(then, name, record, folder=None):
     if reached:
         return ""
     changes = [STEP_VERSION_CHANGES[(name, version)] for version in spared]
-    return (f"{STEP_VERSION} {then} of {name} ({STEP_VERSIONS[name]} now), which trained it as this dschat does: "
-            + "; ".join(f"version {version} changed {change.said}, {change.spared}"
-                        for version, change in zip(spared, changes)))
+    return (f"{STEP_VERSION} {then} of {name} ({STEP_VERSIONS[name]} now), which no change since reaches: "
+            + "; ".join(f"version {version} ({change.topic}) {change.reached_alone()}"
+                        for version, change in zip(spared, changes))
+            + " (STEP_VERSION_CHANGES in dschat/steps/common.py)")
 
 
 def write_results(args, metrics, step):
