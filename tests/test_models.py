@@ -2025,6 +2025,41 @@ def test_a_hub_name_the_cache_lacks_says_the_hub_cannot_be_reached_once(unreacha
     assert capsys.readouterr().out == "" and is_offline_mode() and len(unreachable_hub) == 1
 
 
+@pytest.mark.parametrize("copy", ["none", "datasets_cache", "hub_cache_download"])
+def test_a_hub_dataset_says_the_hub_cannot_be_reached_once(unreachable_hub, monkeypatch, capsys, copy):
+    """load_hub_dataset with no network printed "the hub cannot be reached (...): this run reads the hub cache only",
+    then, for a dataset no cache holds, its MissingInputError said "the hub cannot be reached (...)" again. That error
+    alone says it now; a dataset read from a cache (datasets', or the hub cache's download) gets the notice once."""
+    import datasets
+    from huggingface_hub import is_offline_mode
+
+    from dschat.data import base
+    from dschat.errors import MissingInputError
+
+    reason = "the hub cannot be reached ([Errno -2] Name or service not known)"
+
+    def load_dataset(*args, **kwargs):
+        if copy != "datasets_cache":
+            raise ConnectionError("Couldn't reach 'Dahoas/rm-static' on the Hub (OfflineModeIsEnabled)")
+        return "from datasets' cache"
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(base, "hub_cache_download", lambda *a: "/hub/snapshot" if copy == "hub_cache_download" else None)
+    if copy == "none":
+        for load in (base.load_hub_dataset, base.load_hub_dataset_else_download):
+            with pytest.raises(MissingInputError, match=rf"^--data_path Dahoas/rm-static: not in the datasets cache, "
+                                                        rf"and {re.escape(reason)}; download it"):
+                load("Dahoas/rm-static", "--data_path", *([None] if load is not base.load_hub_dataset else []))
+        out = capsys.readouterr().out
+    else:
+        read = base.load_hub_dataset_else_download("Dahoas/rm-static", "--data_path", lambda folder, copy: "downloaded")
+        assert read == {"datasets_cache": "from datasets' cache", "hub_cache_download": "downloaded"}[copy]
+        out = capsys.readouterr().out
+        assert out.startswith(f"{reason}: this run reads the hub cache only, as with HF_HUB_OFFLINE=1\n")
+    assert out.count("the hub cannot be reached") == (copy != "none") and is_offline_mode()
+    assert len(unreachable_hub) == 1
+
+
 def test_a_hub_dataset_turns_offline_mode_on_when_the_hub_cannot_be_reached(unreachable_hub):
     from huggingface_hub import is_offline_mode
 

@@ -228,18 +228,25 @@ def hub_unavailable():
 def read_hub_cache_only_if_unreachable(say=True):
     """Before a hub model or dataset is read, with HF_HUB_OFFLINE unset: where the hub does not answer one short
     request (``hub_probe_failure``), offline mode for this process and those it starts (the launcher's ranks,
-    datasets' workers), said once (unless not ``say``: an error that follows says why). Without it each file the hub cache lacks (a tokenizer's optional files, a chat
-    template, a dataset's lookups) costs the hub client's half a minute of retries: 214 s before step 1 started."""
+    datasets' workers), said once (unless not ``say``: the caller says it, ``say_hub_cache_only``, where no error
+    that follows says why). Returns the probe's failure where it turned offline mode on now, else None. Without it
+    each file the hub cache lacks (a tokenizer's optional files, a chat template, a dataset's lookups) costs the hub
+    client's half a minute of retries: 214 s before step 1 started."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
-        return
+        return None
     failure = hub_probe_failure(constants.ENDPOINT)
     if failure is None:
-        return
+        return None
     use_hub_cache_only(failure)
-    if not say:
-        return
+    if say:
+        say_hub_cache_only(failure)
+    return failure
+
+
+def say_hub_cache_only(failure):
+    """The notice that offline mode was turned on because the hub did not answer (``failure``: why)."""
     from dschat.utils.dist import print_rank_0
 
     print_rank_0(f"the hub cannot be reached ({failure}): this run reads the hub cache only, as with "
