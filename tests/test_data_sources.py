@@ -2365,13 +2365,22 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     assert len(train) == 14 and sorted(map(os.path.basename, set(hashed))) == [shard.name for shard in shards]
 
 
-def on_file_system(monkeypatch, path, file_system):
-    """This process's mounts (``local._mount_file_systems``) say ``path``'s device holds a ``file_system``."""
+def mount_id_of(path):
+    """The ID of the mount ``path`` is read through (``local._mount_id`` of it open)."""
     from dschat.data import local
 
-    device = os.stat(path).st_dev
-    monkeypatch.setattr(local, "_mount_file_systems", lambda: {(os.major(device), os.minor(device)): file_system},
-                        raising=False)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return local._mount_id(fd)
+    finally:
+        os.close(fd)
+
+
+def on_file_system(monkeypatch, path, file_system):
+    """This process's mounts (``local._mount_file_systems``) say ``path``'s mount holds a ``file_system``."""
+    from dschat.data import local
+
+    monkeypatch.setattr(local, "_mount_file_systems", lambda: {mount_id_of(path): file_system}, raising=False)
 
 
 def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tmp_path, monkeypatch):
@@ -2519,10 +2528,48 @@ def test_a_files_file_system_is_read_from_this_processs_mountinfo(tmp_path, monk
         "27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
         "36 27 7:3 / /mnt/my\\040image rw,nosuid master:2 shared:3 - squashfs /dev/loop3 ro\n"
         "40 27 0:45 / /data rw - fuse.s3fs s3fs rw\n")
-    assert local._file_systems_of_mountinfo(mountinfo) == {(254, 0): "ext4", (7, 3): "squashfs", (0, 45): "fuse.s3fs"}
+    assert local._file_systems_of_mountinfo(mountinfo) == {27: "ext4", 36: "squashfs", 40: "fuse.s3fs"}
     local._mount_file_systems.cache_clear()
-    monkeypatch.setattr(local, "MOUNTINFO", str(tmp_path / "none"))
     try:
-        assert local._mount_file_systems() == {} and not local._keeps_change_time(os.stat(tmp_path).st_dev)
+        # (this machine's own: the mount a file here is read through is one of them)
+        assert mount_id_of(tmp_path) in local._mount_file_systems()
+        local._mount_file_systems.cache_clear()
+        monkeypatch.setattr(local, "MOUNTINFO", str(tmp_path / "none"))
+        with open(tmp_path / "data.txt", "w") as f:
+            assert local._mount_file_systems() == {} and not local._keeps_change_time(f.fileno())
     finally:
         local._mount_file_systems.cache_clear()
+
+
+def test_a_btrfs_files_content_hash_is_kept_though_its_device_is_not_its_mounts(tmp_path, monkeypatch):
+    """A btrfs file's st_dev is its subvolume's own anonymous device, never the MAJOR:MINOR mountinfo shows for the
+    mount: the kept hash, looked up by st_dev, was kept on no btrfs file (which README names as keeping it), and each
+    process read such a file whole again. The mount is found by the open file's mount ID (fdinfo's mnt_id) now."""
+    import glob
+    import hashlib
+
+    import datasets
+
+    from dschat.data import local
+
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    device = os.stat(data).st_dev
+    unlike_it = f"0:{os.minor(device) + 1 if os.major(device) == 0 else 99}"  # (a subvolume's device is not the mount's)
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"{mount_id_of(data)} 1 {unlike_it} /@ / rw,relatime shared:1 - btrfs /dev/sda2 "
+                         "rw,space_cache=v2,subvolid=256,subvol=/@\n")
+    monkeypatch.setattr(local, "MOUNTINFO", str(mountinfo))
+    local._mount_file_systems.cache_clear()
+    hashed = []
+    file_digest = hashlib.file_digest
+    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+    try:
+        for _ in range(3):
+            local.forget_file_digests()  # (a later process)
+            assert local.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest()
+    finally:
+        local._mount_file_systems.cache_clear()
+    assert len(hashed) == 1
+    assert len(glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*"))) == 1

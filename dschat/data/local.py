@@ -475,7 +475,7 @@ def _digest_of_open_file(f, path):
     back: an edited file has another stamp, and is read. A file written while it was read keeps nothing, nor one on a
     file system not known to keep a real change time (``_keeps_change_time``)."""
     stamp = _stat_stamp(os.fstat(f.fileno()))
-    keeps = _keeps_change_time(stamp[0])
+    keeps = _keeps_change_time(f.fileno())
     if (digest := _DIGESTS.get((path, stamp)) or (_kept_digest(path, stamp) if keeps else None)) is None:
         hashed_at = time.time_ns()
         digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -491,16 +491,30 @@ def _stat_stamp(st):
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def _keeps_change_time(device):
-    """Whether the file system of ``device`` (a file's ``st_dev``) is one of CHANGE_TIME_FILE_SYSTEMS; False where this
-    process's mounts cannot be read (no /proc: macOS) or none is of that device (a btrfs subvolume not mounted on its
-    own)."""
-    return _mount_file_systems().get((os.major(device), os.minor(device))) in CHANGE_TIME_FILE_SYSTEMS
+def _keeps_change_time(fd):
+    """Whether the file open as ``fd`` is on a mount of one of CHANGE_TIME_FILE_SYSTEMS, found by its mount's ID
+    (``_mount_id``), not by its ``st_dev``: a btrfs file's st_dev is its subvolume's own anonymous device, which
+    mountinfo's MAJOR:MINOR for the mount is not. False where this process's mounts cannot be read (no /proc: macOS)."""
+    return _mount_file_systems().get(_mount_id(fd)) in CHANGE_TIME_FILE_SYSTEMS
+
+
+def _mount_id(fd):
+    """The ID of the mount that the file open as ``fd`` is read through (/proc/self/fdinfo's mnt_id, Linux 3.15 on:
+    mountinfo's first field), else None."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name == "mnt_id" and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return None
 
 
 @functools.cache
 def _mount_file_systems():
-    """{(major, minor): file system type} of this process's mounts (MOUNTINFO, read once), empty where unreadable."""
+    """{mount ID: file system type} of this process's mounts (MOUNTINFO, read once), empty where unreadable."""
     try:
         with open(MOUNTINFO, encoding="utf-8", errors="replace") as f:
             return _file_systems_of_mountinfo(f.read())
@@ -509,15 +523,14 @@ def _mount_file_systems():
 
 
 def _file_systems_of_mountinfo(text):
-    """{(major, minor): file system type} of a /proc/PID/mountinfo's lines: ``ID PARENT MAJOR:MINOR ROOT MOUNT_POINT
+    """{mount ID: file system type} of a /proc/PID/mountinfo's lines: ``ID PARENT MAJOR:MINOR ROOT MOUNT_POINT
     OPTIONS [OPTIONAL FIELDS...] - TYPE SOURCE SUPER_OPTIONS`` (spaces in paths written as \\040)."""
     types = {}
     for line in text.splitlines():
         mount, dash, file_system = line.partition(" - ")
         fields, file_system = mount.split(), file_system.split()
-        major, _, minor = fields[2].partition(":") if dash and len(fields) > 2 and file_system else ("", "", "")
-        if major.isdigit() and minor.isdigit():
-            types[int(major), int(minor)] = file_system[0]
+        if dash and fields and fields[0].isdigit() and file_system:
+            types[int(fields[0])] = file_system[0]
     return types
 
 
