@@ -939,6 +939,48 @@ def test_a_hub_model_without_a_value_head_is_refused_as_a_scorer_before_it_loads
         load_scoring_reward_model("acme/plain-lm", None)
 
 
+def test_step3_warns_once_of_a_critic_it_would_be_rewarded_by(tmp_path, capsys):
+    """The reward model defaults to --critic_model_name_or_path, so PPO continued from an earlier step 3's critic (one
+    marked in its reward_model.json, or critic/ in a step-3 folder) with no reward model given was rewarded by the
+    critic's value estimates, unsaid. Warned of once (not refused); step 2's reward model is not."""
+    import json
+
+    from dschat.rlhf.config import check_earlier_step_outputs, step3_args
+    from dschat.run_layout import ACTOR_DIR, RUN_ARGS_FILE
+
+    torch.manual_seed(0)
+    actor = str(tmp_path / "sft")
+    save_causal_lm(AutoModelForCausalLM.from_config(CONFIGS["llama"]()), _Tok(), actor)
+    value_model = RewardModel(AutoModel.from_config(CONFIGS["llama"]()))
+    step2 = str(tmp_path / "step2_rm")
+    save_reward_model(value_model, _Tok(), step2)
+    (tmp_path / "step2_rm" / RUN_ARGS_FILE).write_text("{}")
+    placed = str(tmp_path / "step3_ppo" / "critic")  # an earlier step 3's critic/, beside its actor
+    save_reward_model(value_model, _Tok(), placed)
+    save_causal_lm(AutoModelForCausalLM.from_config(CONFIGS["llama"]()), _Tok(), str(tmp_path / "step3_ppo" / ACTOR_DIR))
+    value_model.trained_as_critic = True  # (as step 3's engine marks its critic)
+    marked = str(tmp_path / "my_critic")  # a notebook's save_reward_model(engine.critic, ...)
+    save_reward_model(value_model, _Tok(), marked)
+    assert json.loads((tmp_path / "my_critic" / "reward_model.json").read_text())["role"] == "critic"
+
+    def warnings(critic, reward=None):
+        capsys.readouterr()
+        args = step3_args({"actor_model_name_or_path": actor, "critic_model_name_or_path": critic,
+                           "reward_model_name_or_path": reward})
+        for _ in range(2):  # (step 3's main checks, then its engine)
+            check_earlier_step_outputs(args)
+        captured = capsys.readouterr()
+        return [line for line in (captured.out + captured.err).splitlines() if "warning" in line]
+
+    for critic in (marked, placed):
+        assert warnings(critic) == [
+            f"warning: step3: the reward model {critic} is step 3's critic (the value model PPO trains beside the "
+            "actor), not a reward model: PPO is rewarded by its value estimates, not step 2's rewards; pass step 2's "
+            "reward model with --reward_model_name_or_path (it defaults to --critic_model_name_or_path)"]
+    assert warnings(step2) == []
+    assert warnings(placed, reward=step2) == []  # (its reward model given)
+
+
 def test_a_reward_model_trained_from_an_openrlhf_one_scores_raw_once_saved(tmp_path, distributed):
     """Its config.json kept OpenRLHF's mean and std, by which the scores of the head trained here (on raw scores) were
     divided again when it scored (step 3 after step 2)."""
