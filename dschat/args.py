@@ -925,7 +925,8 @@ def _add_step3_models_args(g):
     g.add_argument("--critic_model_name_or_path", type=str, default="output/step2_rm",
                    help="Step-2 folder (value head loaded) or any HF model folder (value head newly made).")
     g.add_argument("--reward_model_name_or_path", type=str, default=None,
-                   help="Reward model (default: the critic's path, as DeepSpeed-Chat does).")
+                   help="Reward model (default: the critic's path, as DeepSpeed-Chat does; a step-3 critic there is "
+                        "warned of: pass step 2's reward model).")
     add_tokenizer_args(g)
 
 
