@@ -181,3 +181,12 @@ def check_checkpointing_toggle(engine):
         assert not any(m.gradient_checkpointing for m in layers)
         engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         assert all(m.gradient_checkpointing for m in layers)
+
+
+def hub_cache_snapshot(hub, repo):
+    """The snapshot folder of ``repo`` ("datasets--ORG--NAME") in the hub cache ``hub``, as a download leaves it: its
+    refs/main naming the snapshot (not made: the caller writes its files)."""
+    commit = "0" * 40
+    (hub / repo / "refs").mkdir(parents=True)
+    (hub / repo / "refs" / "main").write_text(commit)
+    return hub / repo / "snapshots" / commit

@@ -13,6 +13,7 @@ from dschat.args import (resolve_pad_to_multiple_of, step1_parser, step2_dpo_par
                          step3_parser)
 from dschat.data import (DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, DatasetFormatError,
                          create_prompt_dataset, format_prompt, get_unsupervised_data, pad_sequences)
+from helpers import hub_cache_snapshot
 
 PAD = 1
 T = torch.tensor
@@ -516,10 +517,7 @@ def test_unsupervised_hub_data_downloaded_into_the_hub_cache_is_read_offline(tmp
     from dschat.errors import MissingInputError
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    repo = tmp_path / "hub" / "datasets--wikitext"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--wikitext")
     config = snapshot / "wikitext-2-raw-v1"
     config.mkdir(parents=True)
     for shard in range(2):
@@ -559,10 +557,7 @@ def test_unsupervised_c4_downloaded_into_the_hub_cache_its_gzip_json_shards_are_
     from dschat.errors import UsageError
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    repo = tmp_path / "hub" / "datasets--allenai--c4"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--allenai--c4")
     config = snapshot / "en"
     config.mkdir(parents=True)
 
@@ -650,10 +645,7 @@ def test_unsupervised_c4_download_of_configs_without_the_config_named_says_to_na
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
-    repo = tmp_path / "hub" / "datasets--allenai--c4"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--allenai--c4")
     for download, copy, command in ((snapshot, rf"not in the datasets cache, and its download in the hub cache "
                                                rf"\({re.escape(str(snapshot))}\)", "allenai/c4"),
                                     (tmp_path / "allenai" / "c4", "the download here", "NAME --local-dir allenai/c4")):

@@ -14,6 +14,7 @@ from dschat.data import (HUB_DATASETS, AnthropicHhrlhfDataset, DahoasFullhhrlhfD
                          parse_field_map)
 from dschat.data.errors import RecordError
 from dschat.errors import MissingInputError, UsageError
+from helpers import hub_cache_snapshot
 
 RECORDS = [{"prompt": f"Question number {i}?", "chosen": f"Good answer {i}.", "rejected": f"Bad answer {i}.",
             "task": f"t{i % 3}"} for i in range(20)]
@@ -224,10 +225,7 @@ def test_a_hub_datasets_download_in_the_hub_cache_is_read_offline_by_its_reader(
     monkeypatch.chdir(tmp_path)
     rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
              "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
-    repo = tmp_path / "hub" / "datasets--Dahoas--rm-static"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--Dahoas--rm-static")
     write_hub_download(snapshot, {"train": rows[:15], "test": rows[15:]})
     adapter = raw("Dahoas/rm-static", tmp_path)
     assert isinstance(adapter, DahoasRmstaticDataset)
@@ -286,10 +284,7 @@ def test_a_download_of_hh_rlhf_its_subsets_gzip_jsonl_files_is_read_as_its_defau
     monkeypatch.chdir(tmp_path)
     subsets = {"harmless-base": {"train": hh_rlhf_rows("harmless", 6), "test": hh_rlhf_rows("harmless", 2)},
                "helpful-base": {"train": hh_rlhf_rows("helpful", 5), "test": hh_rlhf_rows("helpful", 3)}}
-    repo = tmp_path / "hub" / "datasets--Anthropic--hh-rlhf"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--Anthropic--hh-rlhf")
     write_hh_rlhf_download(snapshot, subsets)
     write_hh_rlhf_download(tmp_path / "Anthropic" / "hh-rlhf", subsets)
 
@@ -2342,10 +2337,7 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
              "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
-    repo = tmp_path / "hub" / "datasets--Dahoas--rm-static"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text("0" * 40)
-    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--Dahoas--rm-static")
     write_hub_download(snapshot, {"train": rows[:15], "test": rows[15:]})
     link_into_hub_cache(snapshot)
     shards = sorted(snapshot.glob("data/*.parquet"))

@@ -2265,25 +2265,34 @@ def test_an_output_resumed_from_an_older_dschats_checkpoint_records_that_version
     assert recorded_after_resuming(now) == (now, now)
 
 
-def test_a_step3_checkpoint_saved_after_resuming_an_older_dschats_records_that_version(tmp_path):
-    """Step 3 alike: a checkpoint its run saves after resuming an older dschat's (``resume_or_afresh`` keeps the
-    resumed position's version) records that version, so a later resume and its output are judged by it."""
+def _grpo_trainer_saving_checkpoints(tmp_path):
+    """A step-3 trainer stand-in (GRPO with the tiny reward function, output in ``tmp_path``) that
+    ``checkpointing.save_checkpoint`` saves: no engine, an empty model-states file, as the checks read it."""
     from types import SimpleNamespace
 
     from dschat.args import step3_parser
-    from dschat.rlhf import algorithms, checkpointing
+    from dschat.rlhf import algorithms
     from dschat.rlhf.config import step3_args
-    from dschat.steps.common import STEP_VERSION, STEP_VERSIONS, keep_resumed_inputs
 
     args = step3_args(step3_parser().parse_args(["--output_dir", str(tmp_path), "--advantage_estimator", "grpo",
                                                  "--reward_fn", "tiny"]))
 
-    def save_engine(folder, tag, save_latest):  # (no engine: an empty model-states file, as the checks read it)
+    def save_engine(folder, tag, save_latest):
         os.makedirs(os.path.join(folder, tag))
         Path(folder, tag, "mp_rank_00_model_states.pt").write_bytes(b"")
 
-    trainer = SimpleNamespace(args=args, actor_model=SimpleNamespace(save_checkpoint=save_engine), critic_model=None,
-                              actor_ema=None, kl_ctl=algorithms.FixedKLController(0.1), generator=None)
+    return SimpleNamespace(args=args, actor_model=SimpleNamespace(save_checkpoint=save_engine), critic_model=None,
+                           actor_ema=None, kl_ctl=algorithms.FixedKLController(0.1), generator=None)
+
+
+def test_a_step3_checkpoint_saved_after_resuming_an_older_dschats_records_that_version(tmp_path):
+    """Step 3 alike: a checkpoint its run saves after resuming an older dschat's (``resume_or_afresh`` keeps the
+    resumed position's version) records that version, so a later resume and its output are judged by it."""
+    from dschat.rlhf import checkpointing
+    from dschat.steps.common import STEP_VERSION, STEP_VERSIONS, keep_resumed_inputs
+
+    trainer = _grpo_trainer_saving_checkpoints(tmp_path)
+    args = trainer.args
 
     def saved_after_resuming(position, iteration):
         keep_resumed_inputs(args, position)
@@ -2339,23 +2348,12 @@ def test_a_step3_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_one
                                                                                             capsys):
     """Step 3's checkpoints, as steps 1 and 2's: the step version recorded, and an older or missing one said on
     --resume (step 3's own, or a notebook's load_checkpoint), a newer one refused."""
-    from types import SimpleNamespace
-
-    from dschat.args import step3_parser
-    from dschat.rlhf import algorithms, checkpointing
-    from dschat.rlhf.config import step3_args
+    from dschat.rlhf import checkpointing
     from dschat.steps.common import STEP_VERSIONS
 
     root = tmp_path / "checkpoints"
-    args = step3_args(step3_parser().parse_args(["--output_dir", str(tmp_path), "--advantage_estimator", "grpo",
-                                                 "--reward_fn", "tiny"]))
-
-    def save_engine(folder, tag, save_latest):  # (no engine: an empty model-states file, as the checks read it)
-        os.makedirs(os.path.join(folder, tag))
-        Path(folder, tag, "mp_rank_00_model_states.pt").write_bytes(b"")
-
-    trainer = SimpleNamespace(args=args, actor_model=SimpleNamespace(save_checkpoint=save_engine), critic_model=None,
-                              actor_ema=None, kl_ctl=algorithms.FixedKLController(0.1), generator=None)
+    trainer = _grpo_trainer_saving_checkpoints(tmp_path)
+    args = trainer.args
     checkpointing.save_checkpoint(trainer, str(root), {"iteration": 2, "epoch": 0, "batch": 2})
     state_file = root / "trainer" / "iter_0000002" / "state.json"
     assert json.loads(state_file.read_text())["step_version"] == STEP_VERSIONS["step3"]
