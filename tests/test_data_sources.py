@@ -166,6 +166,22 @@ def write_hub_download(folder, splits):
     (folder / ".cache" / "huggingface" / ".gitignore").write_text("*\n")
 
 
+RM_STATIC_ROWS = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
+                   "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
+
+
+def rm_static_in_the_hub_cache(tmp_path, monkeypatch):
+    """Dahoas/rm-static downloaded into the hub cache under ``tmp_path`` (15 train, 5 test records), the working
+    folder ``tmp_path``: its snapshot folder."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--Dahoas--rm-static")
+    write_hub_download(snapshot, {"train": RM_STATIC_ROWS[:15], "test": RM_STATIC_ROWS[15:]})
+    return snapshot
+
+
 def test_a_hub_datasets_download_under_its_name_is_read_by_its_reader_in_training_and_the_tools(tmp_path, monkeypatch,
                                                                                                 tokenizer):
     """A download of Dahoas/rm-static at ./Dahoas/rm-static (`hf download --repo-type dataset Dahoas/rm-static
@@ -216,17 +232,10 @@ def test_a_hub_datasets_download_in_the_hub_cache_is_read_offline_by_its_reader(
     (datasets--Dahoas--rm-static/snapshots/COMMIT), which datasets does not read offline: --data_path Dahoas/rm-static
     was "not in the datasets cache, and HF_HUB_OFFLINE is set", while the snapshot folder's path read as local data.
     The download is read by the dataset's reader now, and said."""
-    from huggingface_hub import constants
-
     from dschat.data.pipeline import create_prompt_dataset
     from dschat.errors import MissingInputError
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.chdir(tmp_path)
-    rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
-             "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
-    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--Dahoas--rm-static")
-    write_hub_download(snapshot, {"train": rows[:15], "test": rows[15:]})
+    snapshot = rm_static_in_the_hub_cache(tmp_path, monkeypatch)
     adapter = raw("Dahoas/rm-static", tmp_path)
     assert isinstance(adapter, DahoasRmstaticDataset)
     assert [adapter.get_chosen_text(s) for s in adapter.get_eval_data()] == [f"Answer {i}." for i in range(15, 20)]
@@ -2328,17 +2337,10 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     outside a hub cache is still read for it, and an edit of it still gets a new cache."""
     import hashlib
 
-    from huggingface_hub import constants
-
     from dschat.data import local
     from dschat.data.pipeline import create_prompt_dataset
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.chdir(tmp_path)
-    rows = [{"prompt": f"\n\nHuman: Question {i}?\n\nAssistant:", "response": f" Answer {i}.",
-             "chosen": f" Answer {i}.", "rejected": f" No {i}."} for i in range(20)]
-    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--Dahoas--rm-static")
-    write_hub_download(snapshot, {"train": rows[:15], "test": rows[15:]})
+    snapshot = rm_static_in_the_hub_cache(tmp_path, monkeypatch)
     link_into_hub_cache(snapshot)
     shards = sorted(snapshot.glob("data/*.parquet"))
     hashed = []
@@ -2352,7 +2354,7 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     # (a copy of them outside it, one of them edited, is read for its hash, and gets a cache of its own)
     copy = tmp_path / "copy"
     shutil.copytree(snapshot, copy)
-    write_records(rows[:14], next((copy / "data").glob("train-*.parquet")), "parquet")
+    write_records(RM_STATIC_ROWS[:14], next((copy / "data").glob("train-*.parquet")), "parquet")
     train, _ = create_prompt_dataset(0, [f"parquet:{copy}"], "10,0,0", str(tmp_path / "out"), 1, 1234, tokenizer, 128)
     assert len(train) == 14 and sorted(map(os.path.basename, set(hashed))) == [shard.name for shard in shards]
 

@@ -202,3 +202,18 @@ def sdpa_reference(q, k, v, mask, scale):
     out = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                            scale=scale)
     return out.transpose(1, 2)
+
+
+def check_surgery_on_rank_0_refused(rank, meet):
+    """``meet()`` (where the ranks meet the replaced parameter: eval() under ZeRO-3, generate in an inference
+    tensor-parallel group) after rank 0 alone replaced ``model.layers.1.self_attn.o_proj.weight``: every rank refuses,
+    rank 0 naming the parameter, the others saying it was another rank's."""
+    try:
+        meet()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: a parameter replaced on rank 0 alone was not refused here")
+    assert "no longer the one DeepSpeed's optimizer and this engine were built with" in message, (rank, message)
+    assert ("'model.layers.1.self_attn.o_proj.weight'" if rank == 0 else "on another rank") in message, (rank, message)
+    print(f"rank {rank} surgery on rank 0: refused", flush=True)
