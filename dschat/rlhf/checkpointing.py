@@ -530,8 +530,9 @@ def check_resumable(trainer, root, tag, planned=False):
     number of ranks (``planned``: the engines are not made yet, ``plan_resume``; else refused), its DeepSpeed states
     convertible and an iteration of the same global shape (``check_iteration_shape``). Returns (its saved state, less
     the flags; the number of ranks that saved it)."""
+    args = getattr(trainer, "args", None)  # (None: no flags to check, as below; no model's family known)
     check_same_step(root, tag, STEP)
-    say_an_older_dschats_checkpoint(root, tag, STEP, loaded_model_types(trainer.args))
+    say_an_older_dschats_checkpoint(root, tag, STEP, loaded_model_types(args))
     saved_ranks = check_complete(root, tag, (ACTOR,))
     other_ranks = saved_ranks != get_world_size()
     if other_ranks and not planned:
@@ -544,7 +545,6 @@ def check_resumable(trainer, root, tag, planned=False):
         check_engine_files(root, CRITIC, tag, saved_ranks)
     if trainer.actor_ema is not None and not os.path.isfile(os.path.join(trainer_folder(root, tag), "ema.pt")):
         _refuse_without_ema(root, tag, saved_flags)
-    args = getattr(trainer, "args", None)
     # (without a plan, the engines were made without DeepSpeed's universal loading: another stage is a bound flag,
     # another number of ranks refused above)
     restaged = _check_universal_fits(root, tag, saved_ranks, saved_flags, args, trainer.critic_model is not None) \
