@@ -490,6 +490,19 @@ def _step2_run_on_one_file(reward_model, tmp_path, monkeypatch):
     return _step2_run_reading(reward_model, tmp_path, "jsonl:pairs.jsonl", monkeypatch)
 
 
+def check_scored_step2s_held_out_pairs(result, scored, reward_model, tmp_path):
+    """rw_eval's ``result`` scored (``scored``: the chosen ids its reward model saw) exactly the held-out pairs of
+    _step2_run_reading's step-2 run on Dahoas/rm-static (its --data_split 2,4,4 and --seed 7), as step 2 evaluated."""
+    from dschat.data import create_prompt_dataset
+    from dschat.models.loading import load_tokenizer
+
+    _, held_out = create_prompt_dataset(0, ["Dahoas/rm-static"], "2,4,4", str(tmp_path / "cache"), 2, 7,
+                                        load_tokenizer(reward_model), 64)
+    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
+    assert len(result["pairs"]) == len(step2_pairs) > 0
+    assert sorted(scored[:len(result["pairs"])]) == step2_pairs
+
+
 def _step2_run_reading(reward_model, run, data_path, monkeypatch):
     """(run/step2_rm: a copy of ``reward_model`` whose recorded run, in ``run``, read ``data_path`` with --data_split
     2,4,4 and --seed 7; the list rw_eval's scored sequences go to, in place of the model's scores)"""
@@ -551,8 +564,6 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_hub_named_local_copy(re
 
     from datasets import Dataset, DatasetDict
 
-    from dschat.data import create_prompt_dataset
-    from dschat.models.loading import load_tokenizer
     from dschat.tools import rw_eval
 
     rows = [{"prompt": f"\n\nHuman: Name color {i}.\n\nAssistant:", "response": f" red {i}", "chosen": f" red {i}",
@@ -563,11 +574,7 @@ def test_rw_eval_scores_the_pairs_step_2_held_out_of_its_hub_named_local_copy(re
     trained, scored = _step2_run_reading(reward_model, run, "Dahoas/rm-static", monkeypatch)
     monkeypatch.chdir(run)
     result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
-    _, held_out = create_prompt_dataset(0, ["Dahoas/rm-static"], "2,4,4", str(tmp_path / "cache"), 2, 7,
-                                        load_tokenizer(reward_model), 64)
-    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
-    assert len(result["pairs"]) == len(step2_pairs) > 0
-    assert sorted(scored[:len(result["pairs"])]) == step2_pairs
+    check_scored_step2s_held_out_pairs(result, scored, reward_model, tmp_path)
     out = capsys.readouterr().out
     assert "--pairs_file Dahoas/rm-static --data_split 2,4,4 --seed 7" in out and "of its test split" in out
     # from another folder, the name is not the run's copy: said, with what to do
@@ -593,8 +600,6 @@ def test_rw_eval_and_prompt_eval_read_a_hub_datasets_download_in_the_hub_cache_a
     import pandas as pd
     from huggingface_hub import constants
 
-    from dschat.data import create_prompt_dataset
-    from dschat.models.loading import load_tokenizer
     from dschat.tools import rw_eval
     from dschat.tools.prompt_eval import select_records
 
@@ -621,11 +626,7 @@ def test_rw_eval_and_prompt_eval_read_a_hub_datasets_download_in_the_hub_cache_a
     run.mkdir()
     trained, scored = _step2_run_reading(reward_model, run, "Dahoas/rm-static", monkeypatch)
     result = rw_eval.main(["--model_name_or_path", str(trained), "--num_pairs", "0"])
-    _, held_out = create_prompt_dataset(0, ["Dahoas/rm-static"], "2,4,4", str(tmp_path / "cache"), 2, 7,
-                                        load_tokenizer(reward_model), 64)
-    step2_pairs = sorted(list(map(int, held_out[i]["chosen_input_ids"])) for i in range(len(held_out)))
-    assert len(result["pairs"]) == len(step2_pairs) > 0
-    assert sorted(scored[:len(result["pairs"])]) == step2_pairs
+    check_scored_step2s_held_out_pairs(result, scored, reward_model, tmp_path)
     # where a folder of that name here would be read instead of the hub's data the run read, it is said
     (tmp_path / "Dahoas" / "rm-static").mkdir(parents=True)
     with pytest.raises(UsageError, match=r"^the step-2 run read Dahoas/rm-static from the hub \(from .*\), and the "
