@@ -1230,7 +1230,8 @@ class DeepSpeedPPOTrainer:
             if value is not None:
                 where = f"trainer.evaluate({name}={value!r})"
                 value = checked_setting(name, value, where)
-                self._check_answers_fit(args, name, value, where)
+                if name == "eval_max_new_tokens":  # (the answers' length: what the engine was sized for)
+                    self._check_answers_fit(args, name, value, where)
                 setattr(args, name, value)
         return held_out_eval(self, loader, args, local_device(), rule_scorer_for(args.data_path))
 
