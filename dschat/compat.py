@@ -207,3 +207,125 @@ def initialize_unloaded_weights_zero3(model):
 
     with torch.no_grad(), guard_torch_init_functions():
         initialize(model, model._initialize_weights)
+
+
+# Whether RWKV's batched one-token decode step keeps a batch's rows apart in this process (transformers' own, or
+# with dschat's fix put in): probed once, by ``rwkv_decode_keeps_rows_apart``.
+_RWKV_ROWS_APART = {}
+_RWKV_TRANSFORMERS_METHODS = {}  # (class, name): transformers' own method, where the fix replaced it
+
+
+def rwkv_decode_keeps_rows_apart(model):
+    """Whether the one-token decode step of transformers' RWKV (``model`` holds its blocks) keeps a batch's rows apart,
+    with dschat's fix of it put in where transformers' own mixes them. transformers 5.25 (4.36 too; models/rwkv/
+    modeling_rwkv.py, lines 250-251 and 306-307: the ``if hidden.size(1) == 1 and state is not None`` branch of
+    ``RwkvSelfAttention.extract_key_value`` and of ``RwkvFeedForward.forward``) takes a one-token step's previous
+    tokens from the state as stored, (B, H), and mixes them into the (B, 1, H) hidden states unsqueezed nowhere: the
+    sum broadcasts to (B, B, H), so each row's step runs B tokens, the j-th its new token mixed with row j's previous
+    one, and the last position, which generate reads, mixes in row B-1's. Batched generation mixed the rows from its
+    second token on (one row is right).
+
+    The fix (``_rwkv_shifted``: a one-token step shifts as transformers' multi-token path does, which is right for one
+    token too) goes in, for the whole process, only where a probe on ``model``'s first block shows the mix, and stays
+    only where that probe then gives each row's output alone as transformers' own computes it; else it is taken out
+    again (False: generate the rows one at a time). Probed once per process, on one rank's model alone: call it where
+    each rank generates on its own (not under ZeRO-3 on several ranks)."""
+    if "apart" not in _RWKV_ROWS_APART:
+        _RWKV_ROWS_APART["apart"] = _rwkv_rows_apart_fixing_if_mixed(_first_rwkv_block(model))
+    return _RWKV_ROWS_APART["apart"]
+
+
+def _first_rwkv_block(model):
+    from transformers.models.rwkv.modeling_rwkv import RwkvBlock
+
+    block = next((module for module in model.modules() if isinstance(module, RwkvBlock)), None)
+    if block is None:
+        raise ValueError(f"rwkv_decode_keeps_rows_apart: {type(model).__name__} holds no RwkvBlock")
+    return block
+
+
+def _rwkv_rows_apart_fixing_if_mixed(block):
+    together, alone = _rwkv_one_token_step_outputs(block)
+    if _same_rows(together, alone):
+        return True
+    fixes = _rwkv_one_token_step_fixes()
+    replaced = {where: getattr(*where) for where in fixes}
+    for (cls, name), method in fixes.items():
+        _RWKV_TRANSFORMERS_METHODS.setdefault((cls, name), replaced[cls, name])
+        setattr(cls, name, method)
+    fixed, _ = _rwkv_one_token_step_outputs(block)
+    if _same_rows(fixed, alone):  # (``alone``: transformers' own code, right for one row)
+        return True
+    for (cls, name), method in replaced.items():
+        setattr(cls, name, method)
+    return False
+
+
+def _rwkv_one_token_step_fixes():
+    """(class, method name): dschat's method, for each of transformers' RWKV methods that the fix replaces."""
+    from transformers.models.rwkv.modeling_rwkv import RwkvFeedForward, RwkvSelfAttention
+
+    return {(RwkvSelfAttention, "extract_key_value"): _rwkv_attention_key_value,
+            (RwkvFeedForward, "forward"): _rwkv_feed_forward}
+
+
+def _rwkv_one_token_step_outputs(block):
+    """``block``'s outputs of one one-token step of two rows from a state: the rows together, and each alone."""
+    import torch
+
+    param = block.ln1.weight  # (a LayerNorm's: in the model's float dtype where its linears are quantized)
+    width, layers = block.config.hidden_size, block.layer_id + 1  # (not the weight's shape: ZeRO-3 empties it)
+    hidden = torch.linspace(-1, 1, 2 * width, device=param.device).reshape(2, 1, width).to(param.dtype)
+
+    def state():  # distinct rows; the time-mix shifts (0, 1) in the hidden dtype, the wkv sums (2-4) in float32
+        values = torch.linspace(0.5, 1.5, 2 * width * layers, device=param.device).reshape(2, width, layers)
+        return [values.to(param.dtype if i <= 1 else torch.float32, copy=True) for i in range(5)]
+
+    with torch.no_grad():
+        together = block(hidden, state=state(), use_cache=True)[0]
+        rows = state()
+        alone = torch.cat([block(hidden[r:r + 1], state=[s[r:r + 1].clone() for s in rows], use_cache=True)[0]
+                           for r in range(2)])
+    return together, alone
+
+
+def _same_rows(together, alone):
+    import torch
+
+    # (not bit for bit: on an accelerator a batch's matmuls may round otherwise than one row's)
+    return together.shape == alone.shape and torch.allclose(together.float(), alone.float(), rtol=1e-2, atol=1e-2)
+
+
+def _rwkv_shifted(module, hidden, previous):
+    """``hidden`` (B, T, H) one token later, the token before each row's first ``previous`` ((B, H), the state's;
+    None: zeros): transformers' RWKV multi-token shift, for one token too."""
+    shifted = module.time_shift(hidden)
+    if previous is not None:
+        shifted[:, 0] = previous
+    return shifted
+
+
+def _rwkv_attention_key_value(self, hidden, state=None):
+    """transformers' ``RwkvSelfAttention.extract_key_value`` with a one-token step shifted as a longer one is."""
+    import torch
+
+    shifted = _rwkv_shifted(self, hidden, None if state is None else state[1][:, :, self.layer_id])
+    key = hidden * self.time_mix_key + shifted * (1 - self.time_mix_key)
+    value = hidden * self.time_mix_value + shifted * (1 - self.time_mix_value)
+    receptance = hidden * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
+    if state is not None:
+        state[1][:, :, self.layer_id] = hidden[:, -1]
+    return torch.sigmoid(self.receptance(receptance)), self.key(key), self.value(value), state
+
+
+def _rwkv_feed_forward(self, hidden, state=None):
+    """transformers' ``RwkvFeedForward.forward`` with a one-token step shifted as a longer one is."""
+    import torch
+
+    shifted = _rwkv_shifted(self, hidden, None if state is None else state[0][:, :, self.layer_id])
+    key = hidden * self.time_mix_key + shifted * (1 - self.time_mix_key)
+    receptance = hidden * self.time_mix_receptance + shifted * (1 - self.time_mix_receptance)
+    value = self.value(torch.square(torch.relu(self.key(key))))
+    if state is not None:
+        state[0][:, :, self.layer_id] = hidden[:, -1]
+    return torch.sigmoid(self.receptance(receptance)) * value, state

@@ -247,6 +247,56 @@ def test_saving_an_rwkv_model_whose_rescaled_weights_are_quantized_is_refused_be
     assert not (tmp_path / "lm").exists()
 
 
+@pytest.fixture
+def transformers_rwkv_steps(monkeypatch):
+    """transformers' own RWKV one-token step methods in place (a test before may have put dschat's fix in) and the
+    probe not yet run; both as they were after the test."""
+    from dschat import compat
+
+    for (cls, name), method in compat._RWKV_TRANSFORMERS_METHODS.items():
+        monkeypatch.setattr(cls, name, method)
+    for (cls, name) in compat._rwkv_one_token_step_fixes():
+        monkeypatch.setattr(cls, name, getattr(cls, name))  # (put back after the test, whatever it put in)
+    monkeypatch.setattr(compat, "_RWKV_ROWS_APART", {})
+
+
+def _rwkv_step_logits(lm, prompts, tokens):
+    """The logits of one decode step of ``tokens`` ((B, 1)) after ``prompts`` ((B, P)), from their cached state."""
+    state = lm(input_ids=prompts, use_cache=True).state
+    return lm(input_ids=tokens, state=state, use_cache=True).logits
+
+
+def test_rwkvs_batched_one_token_decode_keeps_rows_apart_with_the_fix(transformers_rwkv_steps):
+    """transformers' RWKV (5.25: ``RwkvSelfAttention.extract_key_value`` and ``RwkvFeedForward.forward``) mixes a
+    one-token step's (B, 1, H) hidden states with the state's (B, H) previous tokens unsqueezed nowhere: the step of
+    B rows comes out B tokens long, each position mixed with another row's previous token, and HF generate's answers
+    from a batch were not each row's. ``compat.rwkv_decode_keeps_rows_apart`` finds the mix on the model's first
+    block and puts dschat's fix in: a batched step's logits are each row's alone (and the full sequence's), a forward
+    of several tokens is bit for bit transformers' own, and batched greedy answers are each row's alone."""
+    from dschat import compat
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(_rwkv_config()).eval()
+    lm.generation_config.eos_token_id = lm.generation_config.pad_token_id = None
+    prompts, tokens = torch.randint(3, 96, (3, 5)), torch.randint(3, 96, (3, 1))
+    sequences = torch.cat([prompts, tokens], 1)
+    with torch.no_grad():
+        whole = lm(input_ids=sequences).logits
+        alone = torch.cat([_rwkv_step_logits(lm, prompts[r:r + 1], tokens[r:r + 1]) for r in range(3)])
+        assert torch.allclose(alone[:, -1], whole[:, -1], atol=1e-5)  # (one row: transformers' step is right)
+        mixed = _rwkv_step_logits(lm, prompts, tokens)
+    assert mixed.shape == (3, 3, 96)  # transformers' own: rows mixed (when this fails, transformers fixed it)
+    assert compat.rwkv_decode_keeps_rows_apart(lm)
+    with torch.no_grad():
+        together = _rwkv_step_logits(lm, prompts, tokens)
+        assert together.shape == (3, 1, 96) and torch.allclose(together, alone, atol=1e-5)
+        assert torch.equal(lm(input_ids=sequences).logits, whole)
+        call = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        answers = lm.generate(prompts, attention_mask=torch.ones_like(prompts), **call)
+        for row in range(3):
+            assert torch.equal(answers[row:row + 1], lm.generate(prompts[row:row + 1], **call))
+
+
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
     """Where the width cannot be measured (a forward that fails on the meta device: here the probe is made to fail),
     the head takes the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""
