@@ -4896,9 +4896,10 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_it
     """RWKV's recurrence reads no attention mask (transformers' modelling): from a left-padded batch HF's generate
     answered otherwise than from each prompt alone, while step 3 scores the answers' log-probs on rows shifted to start
     at their first token, so the answers were not sampled from the policy it trains. hf_generate (step 3's rollouts
-    without the hybrid engine, its held-out evaluation, the tools) now generates each row alone, unpadded (rows 2 and
-    3, of one length, too: RWKV's batched decode step mixes rows), and returns them as one batched call would; where
-    it cannot (a prompt with a hole), it generates as before and says so once."""
+    without the hybrid engine, its held-out evaluation, the tools) now generates each row as it would alone, unpadded
+    (rows 2 and 3, of one length, together: RWKV's batched decode keeps rows apart with dschat's fix, tested below),
+    and returns them as one batched call would; where it cannot (a prompt with a hole), it generates as before and
+    says so once."""
     from dschat.models import left_padding
     from dschat.rlhf.trainer import hf_generate
 
@@ -4929,6 +4930,36 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_it
     said = capsys.readouterr().out
     assert said.count("warning: the actor on RwkvForCausalLM generates from left-padded prompts otherwise") == 1
     assert "its recurrent layers read no attention mask" in said
+
+
+@pytest.mark.parametrize("rows_apart", [True, False])
+def test_rwkv_rows_of_one_prompt_length_generate_together_where_its_decode_keeps_them_apart(monkeypatch, rows_apart):
+    """transformers' RWKV one-token decode step mixes a batch's rows (5.25: ``compat.rwkv_decode_keeps_rows_apart``),
+    so HF generate took an RWKV actor's left-padded prompts one call per row. With dschat's fix in, the rows of one
+    prompt length generate together (3 calls for 4 prompts, two of one length), each row's answer as its prompt's
+    alone; where the fix would not keep the rows apart (here: the probe made to say so), one row at a time again."""
+    from dschat import compat
+    from dschat.rlhf.trainer import hf_generate
+
+    if not rows_apart:
+        monkeypatch.setattr(compat, "rwkv_decode_keeps_rows_apart", lambda model: False)
+    model = _tiny_rwkv_actor()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    prompts = [[10, 11, 12, 13, 14], [30, 31, 32], [20], [40, 41, 42]]
+    ids = torch.zeros(4, 5, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, 5 - len(prompt):], mask[row, 5 - len(prompt):] = torch.tensor(prompt), 1
+    call = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                **call)[0, len(p):] for p in prompts]
+        batches, generate = [], model.generate
+        monkeypatch.setattr(model, "generate", lambda input_ids, **kw: batches.append(len(input_ids)) or
+                            generate(input_ids, **kw))
+        seq = hf_generate(model, tokenizer)(ids, attention_mask=mask, **call)
+    assert sorted(batches) == ([1, 1, 2] if rows_apart else [1, 1, 1, 1])
+    assert torch.equal(seq[:, :5], ids) and torch.equal(seq[:, 5:], torch.stack(alone))
 
 
 def test_the_flags_of_logs_and_evaluation_leave_step3s_weights_bit_for_bit(trained, tmp_path):

@@ -285,12 +285,11 @@ def from_fresh_module_states(model, generate, input_ids, **kwargs):
 
 def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwargs):
     """HF ``generate`` of a model whose outputs left padding moves (``LEFT_PADDING_MOVES_SCORES``: the mask does not
-    reach its recurrence): each row generates alone, from its prompt without the padding, as the prompt alone would
-    (one row at a time, not rows of one length together: with transformers 5.25 RWKV's one-token decode step mixes the
-    rows of a batch, its (B, 1, H) hidden state broadcast against the (B, H) state). The answers come back after the
-    prompts as the caller gave them, right-padded with the pad id, as one batched call returns them. Where that cannot
-    be (``synced_gpus``, HF's default on several ranks: every rank must make as many calls; a prompt with no token or
-    a hole; no pad id) the batch generates as it is, said once."""
+    reach its recurrence): each row generates as it would alone, from its prompt without the padding: the rows of one
+    prompt length together where the family's batched decode keeps rows apart (``decodes_rows_apart``), else one row
+    at a time. The answers come back after the prompts as the caller gave them, right-padded with the pad id, as one
+    batched call returns them. Where that cannot be (``synced_gpus``, HF's default on several ranks: every rank must
+    make as many calls; a prompt with no token or a hole; no pad id) the batch generates as it is, said once."""
     pad_id = kwargs.get("pad_token_id", getattr(model.generation_config, "pad_token_id", None))
     synced = kwargs.get("synced_gpus")
     synced = get_world_size() > 1 if synced is None else synced
@@ -299,13 +298,32 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
         warn_of_padded_generation(model, attention_mask)
         return generate(input_ids, attention_mask=attention_mask, **kwargs)
     width = input_ids.shape[1]
-    answers = [generate(row[None, width - length:], attention_mask=keep[None, width - length:], **kwargs)[0, length:]
-               for row, keep, length in zip(input_ids, attention_mask, lengths.tolist())]
-    seq = input_ids.new_full((input_ids.shape[0], width + max(len(a) for a in answers)), pad_id)
+    answers = [(rows, generate(input_ids[rows, width - length:], attention_mask=attention_mask[rows, width - length:],
+                               **kwargs)[:, length:])
+               for rows, length in rows_to_generate_together(lengths, decodes_rows_apart(model))]
+    seq = input_ids.new_full((input_ids.shape[0], width + max(a.shape[1] for _, a in answers)), pad_id)
     seq[:, :width] = input_ids
-    for row, answer in enumerate(answers):
-        seq[row, width:width + len(answer)] = answer
+    for rows, answer in answers:
+        seq[rows, width:width + answer.shape[1]] = answer
     return seq
+
+
+def decodes_rows_apart(model):
+    """Whether HF generate may take rows of one prompt length of ``model`` (a ``LEFT_PADDING_MOVES_SCORES`` family)
+    together, as each alone: RWKV's where its one-token decode step keeps a batch's rows apart (transformers' mixes
+    them up to 5.25 at least; dschat's fix: ``compat.rwkv_decode_keeps_rows_apart``); the other families' batched
+    decodes are not checked here, so their rows go one at a time."""
+    from dschat.compat import rwkv_decode_keeps_rows_apart
+
+    return getattr(model.config, "model_type", None) == "rwkv" and rwkv_decode_keeps_rows_apart(model)
+
+
+def rows_to_generate_together(lengths, of_one_length):
+    """(rows, prompt length) of each generate call: the rows of each prompt length (``lengths``, (B,)) together where
+    ``of_one_length``, else each row alone, in order."""
+    if not of_one_length:
+        return [(torch.tensor([row], device=lengths.device), length) for row, length in enumerate(lengths.tolist())]
+    return [((lengths == length).nonzero().flatten(), length) for length in lengths.unique().tolist()]
 
 
 def answer_texts(tokenizer, answers, mask):
