@@ -960,7 +960,7 @@ def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample
 
     from dschat.tools.common import add_generation_args, generation_kwargs
 
-    monkeypatch.setattr("dschat.tools.common._SAID", set())
+    monkeypatch.setattr("dschat.utils.cli._SAID", set())
     parser = argparse.ArgumentParser()
     add_generation_args(parser, sample_by_default=False)
     for flags in ([], ["--top_k", "-1"], ["--top_k", "0", "--top_p", "1", "--temperature", "1"]):
@@ -977,7 +977,7 @@ def test_a_seed_given_to_a_greedy_decoding_is_said_to_do_nothing(capsys, monkeyp
 
     from dschat.tools.common import add_generation_args, generation_kwargs
 
-    monkeypatch.setattr("dschat.tools.common._SAID", set())
+    monkeypatch.setattr("dschat.utils.cli._SAID", set())
     for sample_by_default, flags, said in ((False, ["--seed", "0"], True), (True, ["--greedy", "--seed", "3"], True),
                                            (True, ["--seed", "3"], False), (False, ["--do_sample", "--seed", "0"],
                                                                             False)):
@@ -1978,7 +1978,7 @@ def test_the_tools_warn_of_a_model_an_interrupted_step_left(tmp_path, capsys, mo
     assert flag_path("--path", find_policy_path, ".") == "."
     assert "is an unfinished step output" in capsys.readouterr().err
     (tmp_path / "step3_ppo" / "metrics.json").write_text("{}")
-    monkeypatch.setattr("dschat.tools.common._SAID", set())  # (said once: the same warning again would not be)
+    monkeypatch.setattr("dschat.utils.cli._SAID", set())  # (said once: the same warning again would not be)
     assert flag_path("--path", find_policy_path, str(tmp_path)) == str(actor)
     assert "warning" not in capsys.readouterr().err
 

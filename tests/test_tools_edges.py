@@ -179,7 +179,7 @@ def test_the_warning_of_an_unfinished_model_is_said_once(tmp_path, capsys, monke
     interrupted step's folder was printed twice, word for word."""
     from dschat.tools import ppo_eval
 
-    monkeypatch.setattr("dschat.tools.common._SAID", set())
+    monkeypatch.setattr("dschat.utils.cli._SAID", set())
     actor = _model_folder(tmp_path / "step3_ppo" / "actor")
     (actor.parent / "training_args.json").write_text(json.dumps({"step": "step3", "flags": {"data_path": ["tiny"]}}))
     ppo_eval.parse_args(["--policy", str(tmp_path)])  # (no metrics.json: unfinished)

@@ -172,7 +172,7 @@ def warn_of_a_critic_as_reward_model(path):
     given was rewarded by that critic's value estimates, unsaid."""
     from dschat.models.loading import CRITIC_KIND, value_model_kind
     from dschat.models.reward_model import reward_model_folder
-    from dschat.tools.common import say_once
+    from dschat.utils.cli import say_once
     from dschat.utils.dist import is_rank_0
 
     if is_rank_0() and value_model_kind(reward_model_folder(path)) == CRITIC_KIND:

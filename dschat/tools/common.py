@@ -15,6 +15,7 @@ from dschat.models.positions import context_limit
 from dschat.run_layout import (ACTOR_DIR, DPO_DIR, PPO_ACTOR_DIR, PPO_DIR, REPORT_FILE, RM_DIR, SFT_DIR,
                                unfinished_reason)
 from dschat.tiny.presets import is_tiny_preset
+from dschat.utils.cli import say_once
 
 # Where ``train.py`` puts each step's policy under its output folder, best first. One output folder may hold a PPO
 # actor and a DPO policy trained after it (train.py --recipe dpo), or the reverse: the last run's report.json names
@@ -398,9 +399,6 @@ def generation_kwargs(args):
     return kwargs
 
 
-_SAID = set()
-
-
 def say_unused_sampling_flags(args):
     """Sampling flags given to a greedy decoding (a tool's default, or --greedy) change nothing: said once. A --top_k
     of 0 or below is no filtering (``top_k_flag``), as is the default: nothing to say. --seed seeds only sampling
@@ -410,13 +408,6 @@ def say_unused_sampling_flags(args):
     given = [f"--{name} {getattr(args, name)}" for name, changes in sampling.items() if changes]
     if given:
         say_once(f"warning: {', '.join(given)}: no effect on greedy decoding (add --do_sample to sample)")
-
-
-def say_once(notice):
-    """``notice`` on stderr, once per process."""
-    if notice not in _SAID:
-        _SAID.add(notice)
-        print(notice, file=sys.stderr)
 
 
 def load_policy(path, device=None, dtype=None, add_eot_token=False):

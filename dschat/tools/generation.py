@@ -71,7 +71,7 @@ def say_generation_config_settings(model, call_kwargs):
     Qwen2.5-Instruct's repetition_penalty 1.05): said once per model, as the flags' settings are seen on the command
     line (``generation_config_note``)."""
     from dschat.hybrid_engine.generate_args import generation_config_note
-    from dschat.tools.common import say_once
+    from dschat.utils.cli import say_once
 
     name = getattr(model, "name_or_path", "") or "the model"
     note = generation_config_note(model, call_kwargs, f"{name}'s", "", "flag of this tool")

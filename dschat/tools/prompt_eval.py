@@ -142,7 +142,7 @@ def say_unused_compat_flags(args):
     """DeepSpeed-Chat's decoding flags asking for what this comparison does not do (beams, contrastive search, several
     answers per prompt) and its --language of other built-in prompts were taken without a word: said once, as the
     other tools say their unused flags."""
-    from dschat.tools.common import say_once
+    from dschat.utils.cli import say_once
 
     asked = [f"--{name} {getattr(args, name)}" for name in ("num_beams", "num_beam_groups", "num_return_sequences")
              if (getattr(args, name) or 1) > 1]

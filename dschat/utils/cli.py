@@ -1,7 +1,8 @@
 """Entry points: a usage error (a flag, file or record of the user's, already named in the message) ends the run
 with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a diverged run
 (a non-finite loss or gradient norm: exit status 1), a rank whose collective failed because another rank stopped (1),
-a write to a full disk (1) and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks."""
+a write to a full disk (1) and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks. Also
+what the ranks and tools say on stderr: a warning once per process (``say_once``), once per launch (``first_to_say``)."""
 import hashlib
 import os
 import select
@@ -94,6 +95,16 @@ def say_if_possible(line):
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError, AttributeError):  # (full, closed, or no stderr at all)
         pass
+
+
+_SAID = set()
+
+
+def say_once(notice):
+    """``notice`` on stderr, once per process."""
+    if notice not in _SAID:
+        _SAID.add(notice)
+        print(notice, file=sys.stderr)
 
 
 def run_script(main, resumable=False):
