@@ -1024,9 +1024,10 @@ def test_step3_warns_once_of_a_critic_it_would_be_rewarded_by(tmp_path, capsys):
 
     for critic in (marked, placed):
         assert warnings(critic) == [
-            f"warning: step3: the reward model {critic} is step 3's critic (the value model PPO trains beside the "
-            "actor), not a reward model: PPO is rewarded by its value estimates, not step 2's rewards; pass step 2's "
-            "reward model with --reward_model_name_or_path (it defaults to --critic_model_name_or_path)"]
+            f"warning: step3: {critic}: step 3's critic (the value model PPO trains beside the actor), not a reward "
+            "model: it scores with PPO's value estimates, not step 2's rewards (step 2's output folder, e.g. "
+            "train.py's <output>/step2_rm, holds the reward model); give it with --reward_model_name_or_path, which "
+            "defaults to --critic_model_name_or_path"]
     assert warnings(step2) == []
     assert warnings(placed, reward=step2) == []  # (its reward model given)
 

@@ -612,6 +612,25 @@ def test_a_step3_critic_given_as_the_reward_model_is_warned_of(models, tmp_path,
         assert (warned in capsys.readouterr().err) == (path != models["rm"])
 
 
+def test_step3_and_the_tools_say_a_critic_given_as_the_reward_model_in_the_same_sentence(models, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Step 3 (``warn_of_a_critic_as_reward_model``) and rw_eval/ppo_eval (``check_reward_model``) warned of the same
+    thing, a step-3 critic scoring as the reward model, in two wordings; each keeps its own prefix and remedy."""
+    from dschat.rlhf.config import warn_of_a_critic_as_reward_model
+    from dschat.tools.common import check_reward_model
+
+    critic = tmp_path / "step3_ppo" / "critic"
+    shutil.copytree(models["rm"], critic)
+    (critic.parent / RUN_ARGS_FILE).write_text("{}")
+    sentence = (f"{critic}: step 3's critic (the value model PPO trains beside the actor), not a reward model: it "
+                "scores with PPO's value estimates, not step 2's rewards (step 2's output folder, e.g. train.py's "
+                "<output>/step2_rm, holds the reward model)")
+    for warn, prefix in ((check_reward_model, "warning: "), (warn_of_a_critic_as_reward_model, "warning: step3: ")):
+        monkeypatch.setattr("dschat.utils.cli._SAID", set())
+        warn(str(critic))
+        assert capsys.readouterr().err.startswith(prefix + sentence), warn.__name__
+
+
 def test_a_reward_model_as_the_second_policy_is_refused_with_its_flag_before_any_model_loads(models, monkeypatch):
     """ppo_eval's --baseline and prompt_eval's --model_name_or_path_finetune were refused only once that model loaded,
     after the first one had answered every prompt (a long wait with real models), and without their flag."""

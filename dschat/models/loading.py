@@ -712,6 +712,18 @@ def value_model_kind(path):
     return "a reward model or critic (a value-head model)"
 
 
+def critic_given_as_reward_model(name_or_path):
+    """What is wrong with scoring by ``name_or_path`` (a folder, tiny preset or hub name given as the reward model)
+    when it is step 3's critic, else None: saved with a reward model's files it scores as one, though its head learned
+    PPO's value estimates. Step 3 and the tools (rw_eval, ppo_eval) warn of it in these same words."""
+    from dschat.models.reward_model import reward_model_folder
+
+    if value_model_kind(reward_model_folder(name_or_path)) != CRITIC_KIND:
+        return None
+    return (f"{name_or_path}: {CRITIC_KIND}, not a reward model: it scores with PPO's value estimates, not step 2's "
+            "rewards (step 2's output folder, e.g. train.py's <output>/step2_rm, holds the reward model)")
+
+
 def load_causal_lm(model_name_or_path, tokenizer, ds_config=None, dropout=None, dtype=None):
     """A policy (SFT model, actor, reference, DPO policy); not a reward model (``check_not_a_reward_model``)."""
     check_not_a_reward_model(model_name_or_path)

@@ -170,15 +170,13 @@ def warn_of_a_critic_as_reward_model(path):
     """Step 3's critic as the reward model is warned of, once (not refused: a user may want it): the reward model
     defaults to --critic_model_name_or_path, so PPO continued from an earlier step 3's critic/ with no reward model
     given was rewarded by that critic's value estimates, unsaid."""
-    from dschat.models.loading import CRITIC_KIND, value_model_kind
-    from dschat.models.reward_model import reward_model_folder
+    from dschat.models.loading import critic_given_as_reward_model
     from dschat.utils.cli import say_once
     from dschat.utils.dist import is_rank_0
 
-    if is_rank_0() and value_model_kind(reward_model_folder(path)) == CRITIC_KIND:
-        say_once(f"warning: step3: the reward model {path} is {CRITIC_KIND}, not a reward model: PPO is rewarded by "
-                 "its value estimates, not step 2's rewards; pass step 2's reward model with "
-                 "--reward_model_name_or_path (it defaults to --critic_model_name_or_path)")
+    if is_rank_0() and (critic := critic_given_as_reward_model(path)):
+        say_once(f"warning: step3: {critic}; give it with --reward_model_name_or_path, which defaults to "
+                 "--critic_model_name_or_path")
 
 
 def untrained_reward_model_message(path):

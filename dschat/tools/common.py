@@ -245,15 +245,14 @@ def check_reward_model(path):
     """A folder or hub name without a trained value head is an error: its scores, from a new random head, mean
     nothing. Step 3's critic is warned of: saved with a reward model's files, it scored as one, unsaid, though its head
     learned PPO's value estimates rather than step 2's rewards."""
-    from dschat.models.loading import CRITIC_KIND, value_model_kind
+    from dschat.models.loading import critic_given_as_reward_model
     from dschat.models.reward_model import VALUE_HEAD_FILES, has_trained_value_head
 
     if not has_trained_value_head(path):
         raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
-    if os.path.isdir(path) and value_model_kind(path) == CRITIC_KIND:
-        say_once(f"warning: {path}: {CRITIC_KIND}, not a reward model: it scores with PPO's value estimates, not "
-                 "step 2's rewards (step 2's output folder, e.g. train.py's <output>/step2_rm, holds the reward model)")
+    if os.path.isdir(path) and (critic := critic_given_as_reward_model(path)):  # (a hub name's files: not asked again)
+        say_once(f"warning: {critic}")
 
 
 def check_room_for_a_prompt(config, max_new_tokens, model="the model"):
