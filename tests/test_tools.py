@@ -115,6 +115,32 @@ def test_an_unfinished_runs_policy_not_written_yet_is_its_sft_model_not_another_
     assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")
 
 
+def test_find_policy_path_reads_a_runs_report_once(tmp_path, monkeypatch):
+    """find_policy_path read report.json three times (the reported policy, whether it is there, the fallbacks), each
+    an open and a parse of the same file; once now, finished run or not."""
+    import dschat.utils.files
+
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step2_dpo"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    reads = []
+    read_json_object = dschat.utils.files.read_json_object
+
+    def counted(path):
+        reads.append(path)
+        return read_json_object(path)
+
+    monkeypatch.setattr(dschat.utils.files, "read_json_object", counted)
+    # (a finished run's policy, there; an unfinished one's, not written yet: its SFT model)
+    for report, found in (({"policy": "step2_dpo"}, "step2_dpo"),
+                          ({"policy": "step3_ppo/actor", "unfinished": True}, "step1_sft")):
+        (run / "report.json").write_text(json.dumps(report))
+        reads.clear()
+        assert find_policy_path(str(run)) == str(run / found)
+        assert reads == [str(run / "report.json")], report
+
+
 def test_a_run_folder_whose_model_a_save_swap_left_beside_it_is_an_error_naming_it(tmp_path):
     """A save killed between the two renames of its folder swap leaves no step3_ppo/actor (or step2_rm), the finished
     model whole beside it (.actor.save-new): chat.py, prompt_eval and eval.py given the run's folder took the next of

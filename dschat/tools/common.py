@@ -56,18 +56,27 @@ def check_stdout_open(results, instead=""):
                          f"pipe{instead}")
 
 
-def _reported(path, key):
-    """``key`` of the report the last train.py run wrote in ``path``, if any."""
+def _run_report(path):
+    """The report the last train.py run wrote in ``path`` ({}: none)."""
     from dschat.utils.files import read_json_object
 
     # (a damaged or hand-edited file: an error naming it, not json's traceback)
-    report = read_json_object(os.path.join(path, REPORT_FILE))
-    return None if report is None else report.get(key)
+    return read_json_object(os.path.join(path, REPORT_FILE)) or {}
+
+
+def _reported(path, key):
+    """``key`` of the report the last train.py run wrote in ``path``, if any."""
+    return _run_report(path).get(key)
 
 
 def reported_policy(path):
     """The policy subfolder the last train.py run in ``path`` reported as its result, if any."""
-    policy = _reported(path, "policy")
+    return _policy_in(_run_report(path))
+
+
+def _policy_in(report):
+    """The policy subfolder a run's ``report`` names as its result, if it is one of ``POLICY_SUBFOLDERS``."""
+    policy = report.get("policy")
     return policy if policy in POLICY_SUBFOLDERS else None
 
 
@@ -112,32 +121,33 @@ def find_policy_path(path):
     model, in that order (an unfinished run's SFT model first: ``policy_fallbacks``); a model folder or hub name as
     is. A reward model is refused here, before any model loads:
     ppo_eval and prompt_eval refused one given as their second model only after the first one's answers."""
-    reported = reported_policy(os.path.expanduser(path))
-    check_reported_policy_there(path, reported)
-    found = _model_folder(path, policy_fallbacks(path, reported), reported)
+    report = _run_report(os.path.expanduser(path))  # (read once, for the three uses below)
+    reported, unfinished = _policy_in(report), bool(report.get("unfinished"))
+    check_reported_policy_there(path, reported, unfinished)
+    found = _model_folder(path, policy_fallbacks(reported, unfinished), reported)
     check_not_a_reward_model(found)
     return found
 
 
-def policy_fallbacks(path, reported):
-    """The subfolders of the run folder ``path`` taken, in order, where its ``reported`` policy holds no model: an
-    unfinished train.py run's (not written yet) falls back to its SFT model, which every recipe starts from, first;
+def policy_fallbacks(reported, unfinished):
+    """The subfolders of a run folder taken, in order, where its ``reported`` policy holds no model: an
+    ``unfinished`` train.py run's (not written yet) falls back to its SFT model, which every recipe starts from, first;
     the fixed order took another recipe's policy there, an earlier run's (a PPO actor made from the SFT model that a
     --recipe dpo run's step 1 had since replaced), where its report named its own policy to keep the tools off those.
     (An earlier run's policy is still taken, warned of, where the SFT model holds none either.)"""
-    if reported and _reported(os.path.expanduser(path), "unfinished"):
+    if reported and unfinished:
         return (SFT_DIR, *(sub for sub in POLICY_SUBFOLDERS if sub != SFT_DIR))
     return POLICY_SUBFOLDERS
 
 
-def check_reported_policy_there(path, reported):
+def check_reported_policy_there(path, reported, unfinished):
     """The policy a finished train.py run reported (``reported``: its subfolder of ``path``) holds a model. Where it was
     gone (removed, copied in part), the next of the run's folders was taken in its place, said by its path alone:
     chat.py and eval.py answered with step1_sft as the run's result, as find_reward_model_path refuses to do for a
     reported reward model. (An unfinished run's policy may not be written yet: its SFT model is taken
-    first (``policy_fallbacks``), warned of.)"""
+    first (``policy_fallbacks``), warned of: ``unfinished``, as its report says.)"""
     folder = os.path.expanduser(path)
-    if not reported or _reported(folder, "unfinished") or os.path.isfile(os.path.join(folder, reported, "config.json")):
+    if not reported or unfinished or os.path.isfile(os.path.join(folder, reported, "config.json")):
         return
     check_no_interrupted_save(os.path.join(path, reported))  # (why it holds none: a save killed mid-swap)
     raise MissingInputError(f"{path}: its last train.py run's policy, {os.path.join(path, reported)} ({REPORT_FILE}), "
