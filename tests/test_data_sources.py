@@ -182,6 +182,30 @@ def rm_static_in_the_hub_cache(tmp_path, monkeypatch):
     return snapshot
 
 
+def test_a_local_hub_copys_reader_is_made_once(tmp_path, monkeypatch):
+    """Outside a ``reads_kept`` block, get_raw_dataset made the copy's reader twice: once to load the data, then again
+    around the data it had loaded. Once now; inside a block, a later call makes one around the data kept."""
+    from dschat.data.raw_datasets import HUB_COPIES, reads_kept
+
+    monkeypatch.chdir(tmp_path)
+    write_hub_download(tmp_path / "Dahoas" / "rm-static", {"train": RM_STATIC_ROWS[:15], "test": RM_STATIC_ROWS[15:]})
+    made = []
+    init = DahoasRmstaticDataset.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DahoasRmstaticDataset, "__init__", counted)
+    reader = raw("Dahoas/rm-static", tmp_path)
+    assert made == [reader] and len(reader.get_train_data()) == 15
+    with reads_kept(HUB_COPIES):
+        for seed in (1, 2):  # (the second call's data: the first's, in a reader of its own seed)
+            made.clear()
+            reader = raw("Dahoas/rm-static", tmp_path, seed=seed)
+            assert made == [reader] and reader.seed == seed
+
+
 def test_a_hub_datasets_download_under_its_name_is_read_by_its_reader_in_training_and_the_tools(tmp_path, monkeypatch,
                                                                                                 tokenizer):
     """A download of Dahoas/rm-static at ./Dahoas/rm-static (`hf download --repo-type dataset Dahoas/rm-static

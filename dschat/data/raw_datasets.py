@@ -394,21 +394,36 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_pa
 
     resolved = resolve_dataset_spec(dataset_name, flag)
     if isinstance(resolved, type):
-        def hub_reader(raw_datasets=None):
-            return resolved(output_path, seed, local_rank, flag=flag, raw_datasets=raw_datasets)
-
-        if is_local_hub_copy(dataset_name):
-            kind, key = HUB_COPIES, lambda: (dataset_name, files_stamp([dataset_name]))
-        else:
-            kind, key = HUB_CACHES, lambda: hub_caches_stamp(dataset_name)
-        # (the data read once; the reader made anew with this caller's seed, output path and flag)
-        return hub_reader(read_once(kind, key, lambda: hub_reader().raw_datasets))
+        return _hub_dataset_reader(resolved, dataset_name, output_path, seed, local_rank, flag)
     # (a local reader's load depends on its files, however spelled, their types and field names; its seed, output path
     # and rank hold its eval share's indices)
     return read_once(LOCAL_FILES, lambda: (resolved.kind, resolved.eval_type, len(resolved.train_files), output_path,
                                            seed, local_rank, repr(sorted(field_options.items())),
                                            files_stamp(resolved.files)),
                      lambda: LocalDataset(resolved, output_path, seed, local_rank, field_options)).spelled_as(resolved)
+
+
+def _hub_dataset_reader(reader_class, name, output_path, seed, local_rank, flag):
+    """The hub dataset ``name``'s reader (``reader_class``), made once: a reader built to load the data was built again
+    around what it had loaded. Inside a ``reads_kept`` block of its kind (a local copy's, or the caches' offline) the
+    data of an earlier call is taken, in a reader made with this caller's seed, output path and flag."""
+    from .local import files_stamp
+
+    def reader(raw_datasets=None):
+        return reader_class(output_path, seed, local_rank, flag=flag, raw_datasets=raw_datasets)
+
+    if is_local_hub_copy(name):
+        kind, key = HUB_COPIES, lambda: (name, files_stamp([name]))
+    else:
+        kind, key = HUB_CACHES, lambda: hub_caches_stamp(name)
+    loaded_by = []  # (the reader that loads the data in this call, if it does: the one returned)
+
+    def load():
+        loaded_by.append(reader())
+        return loaded_by[0].raw_datasets
+
+    raw_datasets = read_once(kind, key, load)
+    return loaded_by[0] if loaded_by else reader(raw_datasets)
 
 
 def hub_caches_stamp(name):
