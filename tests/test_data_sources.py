@@ -358,6 +358,39 @@ def test_a_download_of_hh_rlhf_its_subsets_gzip_jsonl_files_is_read_as_its_defau
         raw("Anthropic/hh-rlhf", tmp_path)
 
 
+def test_a_compressed_hub_downloads_bad_line_is_named_by_file_and_line_as_a_plain_files_is(tmp_path, monkeypatch):
+    """A hub download's compressed JSON Lines (Anthropic/hh-rlhf's SUBSET/train.jsonl.gz) was read by datasets' json
+    loader alone: a bad line was "could not be read as compressed JSON: ..." with no line, a key written twice kept
+    its last value without a word, and a string that is JSON in a column of mixed types came back decoded. It gets
+    the plain file's checks now, over the file decompressed as it is read."""
+    import gzip
+
+    monkeypatch.chdir(tmp_path)
+    subsets = {"harmless-base": {"train": hh_rlhf_rows("harmless", 4), "test": hh_rlhf_rows("harmless", 2)},
+               "helpful-base": {"train": hh_rlhf_rows("helpful", 3), "test": hh_rlhf_rows("helpful", 2)}}
+    download = tmp_path / "Anthropic" / "hh-rlhf"
+    write_hh_rlhf_download(download, subsets)
+    packed = download / "helpful-base" / "train.jsonl.gz"
+    lines = [json.dumps(row) for row in subsets["helpful-base"]["train"]]
+    for bad, said in (('{"chosen": "cut short', r"line 2: invalid JSON \(Unterminated string"),
+                      ('{"chosen": "a", "rejected": "b", "chosen": "c"}', r"line 2: an object writes the key "
+                                                                          r"'chosen' twice")):
+        packed.write_bytes(gzip.compress("\n".join([lines[0], bad, lines[2]]).encode() + b"\n"))
+        with pytest.raises(DatasetFormatError, match=rf"hh-rlhf/helpful-base/train\.jsonl\.gz {said}"):
+            raw("Anthropic/hh-rlhf", tmp_path)
+    # a file cut short is said to be, naming it (datasets said "Compressed file ended before the end-of-stream ...")
+    packed.write_bytes(gzip.compress("\n".join(lines).encode())[:-12])
+    with pytest.raises(DatasetFormatError, match=r"hh-rlhf/helpful-base/train\.jsonl\.gz: not readable as gzip "
+                                                 r"data, as its name says it is \(Compressed file ended .*\): a "
+                                                 r"file cut short"):
+        raw("Anthropic/hh-rlhf", tmp_path)
+    # a text that is JSON, "1", among numbers stays the text written (datasets' Json type read it as the number 1)
+    rows = [{**row, "rating": rating} for row, rating in zip(subsets["helpful-base"]["train"], [2, "1", 3])]
+    packed.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in rows).encode()))
+    adapter = raw(str(download / "helpful-base"), tmp_path)
+    assert [adapter.get_extra(sample)["rating"] for sample in adapter.get_train_data()] == [2, "1", 3]
+
+
 def test_a_download_of_shp_its_domains_folders_are_read_as_its_default_config(tmp_path, monkeypatch):
     """stanfordnlp/SHP keeps each domain's splits in a folder of its own (askacademia/train.json, validation.json,
     test.json: JSON Lines): its download at ./stanfordnlp/SHP was "neither a save_to_disk copy ... nor a download". Its

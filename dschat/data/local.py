@@ -65,14 +65,18 @@ passed through ``get_extra``. Records are checked when the file is loaded: a mal
 record (and its line where known: JSON Lines, CSV) and the field.
 """
 import ast
+import bz2
 import contextlib
 import copy
 import functools
+import gzip
 import hashlib
 import json
+import lzma
 import os
 import re
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -893,17 +897,6 @@ def hub_download_split(where, name, files):
     return load_split_files(hub_data_kind(files[0]), files)[0]
 
 
-def load_packed_json(path):
-    """The records of a hub download's compressed JSON file (``PACKED_JSON``: Anthropic/hh-rlhf's
-    SUBSET/train.jsonl.gz, a shard of allenai/c4's), read by datasets' json loader, which decompresses it, as
-    load_dataset reads the dataset (not checked line by line as a local JSON file is: its records are placed by their
-    number); its cache keyed by its content (``load_content_keyed``)."""
-    try:
-        return load_content_keyed("json", path)
-    except Exception as err:  # (datasets' errors name no file)
-        raise DatasetFormatError(f"{path}: could not be read as compressed JSON: {_error_text(err)}") from err
-
-
 def _check_whole_split(where, name, files):
     """A split's files (sorted) must be of one type, and in each folder (a subset's, as Anthropic/hh-rlhf's
     harmless-base/) one file, or its shards SPLIT-0000K-of-0000N.EXT of one type, every K of the N there: a download
@@ -970,11 +963,46 @@ def _folder_eval_file(folder, spec, flag=None):
 
 # --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
 
+# the modules that undo the compressions of ``PACKED_JSON``, by the file's extension, and what they raise for data
+# that is not what its name says or is cut short (bz2's OSError, "Invalid data stream"; gzip's BadGzipFile is one too)
+DECOMPRESSORS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}
+DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+@contextlib.contextmanager
+def open_data_file(path, encoding=None):
+    """The file at ``path`` open to read, as text of ``encoding`` where one is given, else as bytes; decompressed as
+    it is read where its name says it is compressed (``PACKED_JSON``: a hub download's train.jsonl.gz), so a JSON
+    file's checks read, a line at a time, what datasets' json loader reads. A compressed file whose data does not
+    decompress (cut short, or not what its name says) is an error naming it; one of no bytes is read as the empty
+    file it is (it holds no compressed stream: bzip2's and xz's readers said "ended before the end-of-stream")."""
+    packed = data_file_extensions(path)[1].lower()
+    mode = "rt" if encoding else "rb"
+    if not packed or os.path.getsize(path) == 0:
+        with open(path, mode, encoding=encoding) as f:
+            yield f
+        return
+    try:
+        with DECOMPRESSORS[packed].open(path, mode, encoding=encoding) as f:
+            yield f
+    except UsageError:
+        raise  # (the reader's own errors: MissingInputError is an OSError too)
+    except DECOMPRESSION_ERRORS as err:
+        raise DatasetFormatError(f"{path}: not readable as {COMPRESSED_EXTENSIONS[packed]} data, as its name says it "
+                                 f"is ({err}): a file cut short? download or compress it again") from err
+
+
 def text_encoding(path):
-    """"utf-8-sig" for a file that starts with a UTF-8 byte-order mark (Windows editors write one), else "utf-8":
-    the mark is not part of the first record."""
-    with open(path, "rb") as f:
+    """"utf-8-sig" for a file whose text starts with a UTF-8 byte-order mark (Windows editors write one), else
+    "utf-8": the mark is not part of the first record. (A compressed file's text: ``open_data_file``.)"""
+    with open_data_file(path) as f:
         return "utf-8-sig" if f.read(3) == b"\xef\xbb\xbf" else "utf-8"
+
+
+def holds_no_bytes(path):
+    """Whether the file at ``path`` is empty: of a compressed file, its text (``open_data_file``)."""
+    with open_data_file(path) as f:
+        return not f.read(1)
 
 
 def _json_reason(err):
@@ -1061,7 +1089,7 @@ def check_jsonl_lines(path, key_orders=None):
     """
     record_lines, keys, constants = [], _KeysWrittenTwice(), _NotJsonNumbers()
     try:
-        with open(path, encoding=text_encoding(path)) as f:
+        with open_data_file(path, text_encoding(path)) as f:
             for line_number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -1097,8 +1125,9 @@ def caused_by(error, kind):
 
 
 def not_utf8_error(path):
-    """A DatasetFormatError naming the first line of ``path`` that is not UTF-8 text (JSON files must be)."""
-    with open(path, "rb") as f:
+    """A DatasetFormatError naming the first line of ``path`` that is not UTF-8 text (JSON files must be; a compressed
+    file's text: ``open_data_file``)."""
+    with open_data_file(path) as f:
         for line_number, line in enumerate(f, start=1):
             try:
                 line.decode("utf-8")
@@ -1113,7 +1142,7 @@ def check_json_document(path, key_orders=None):
     ``check_jsonl_lines``); DatasetFormatError with the line of a syntax error. Where given, ``key_orders`` (a
     ``_KeyOrders``) gathers the order of its objects' keys in the same parse."""
     try:
-        with open(path, encoding=text_encoding(path)) as f:
+        with open_data_file(path, text_encoding(path)) as f:
             text = f.read()
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -1213,6 +1242,13 @@ def compressed_with(path):
     return next((tool for magic, tool in COMPRESSED_MAGIC.items() if re.match(magic, start)), None)
 
 
+def check_compression_read(kind, path, where=None):
+    """A data file compressed otherwise than as JSON named so (``PACKED_JSON``: a hub download's train.jsonl.gz, read
+    decompressed, ``open_data_file``) is an error saying how to decompress it (``check_not_compressed``)."""
+    if kind not in ("json", "jsonl") or not data_file_extensions(path)[1]:
+        check_not_compressed(path, where)
+
+
 def check_not_compressed(path, where=None):
     """A compressed data file is an error saying so: read as text it was 'not UTF-8 text ... save the file as UTF-8'.
     ``where``: how the error names ``path`` (``compressed_error``)."""
@@ -1223,11 +1259,11 @@ def check_not_compressed(path, where=None):
 
 def load_file(kind, path):
     """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder; a JSON file named
-    compressed, a hub download's (``_hub_split_files``: a file given so is refused before), by datasets' json loader
-    (``load_packed_json``)."""
-    if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
-        return load_packed_json(path), None
-    check_not_compressed(path)
+    compressed, a hub download's (``_hub_split_files``: a file given so is refused before), checked as it is
+    decompressed, a line at a time (``open_data_file``), as a plain one is, then read by datasets' json loader, which
+    decompresses it too (Anthropic/hh-rlhf's SUBSET/train.jsonl.gz: a bad line was said by datasets' words, without
+    its number)."""
+    check_compression_read(kind, path)
     record_lines = header = None
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind == "jsonl":
@@ -1260,7 +1296,7 @@ def load_file(kind, path):
 def _why_no_records(kind, path):
     """Why a file holds no records: it is empty (no bytes), has only blank lines (spaces, tabs and line ends: it was
     said to be empty, and a CSV to have a header), or is a CSV of a header or a parquet file without rows."""
-    if os.path.getsize(path) == 0:
+    if holds_no_bytes(path):
         return "the file is empty"
     if kind != "parquet" and only_blank_lines(path):
         return "it has only blank lines"
@@ -1268,8 +1304,9 @@ def _why_no_records(kind, path):
 
 
 def only_blank_lines(path):
-    """Whether a text file holds only whitespace after its byte-order mark (read a block at a time)."""
-    with open(path, "rb") as f:
+    """Whether a text file holds only whitespace after its byte-order mark (read a block at a time; a compressed
+    file's text: ``open_data_file``)."""
+    with open_data_file(path) as f:
         if f.read(1 << 16).removeprefix(b"\xef\xbb\xbf").strip():
             return False
         return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
@@ -1483,7 +1520,7 @@ def _has_json_feature(feature):
 
 def _json_records(kind, path):
     """The records of a JSON/JSONL file as the json module reads them (the file was checked already)."""
-    with open(path, encoding=text_encoding(path)) as f:
+    with open_data_file(path, text_encoding(path)) as f:
         text = f.read()
     if kind == "json":
         try:
@@ -1690,8 +1727,8 @@ def _json_columns_alike(kind, paths, parts):
     their keys' order alone, the shards joined in the first one's: ``_KeyOrders``)."""
     mixed = {name for part, _ in parts for name, feature in part.features.items() if _has_json_feature(feature)}
     mixed |= _structs_differing(part for part, _ in parts)
-    if not mixed or kind not in ("json", "jsonl") or any(data_file_extensions(path)[1] for path in paths):
-        return parts  # (compressed JSON is not read again as text: its shards join, else are said not to)
+    if not mixed or kind not in ("json", "jsonl"):
+        return parts
     return [(part if all(_has_json_feature(part.features[name]) for name in mixed if name in part.features) else
              _exact_json_dataset(kind, path, {name: feature for name, feature in part.features.items()
                                               if name not in mixed}), lines)
