@@ -311,7 +311,7 @@ def test_a_mistyped_or_empty_unsupervised_file_is_named_not_looked_up_on_the_hub
 def test_a_compressed_unsupervised_file_is_read_by_its_inner_extension_not_looked_up_on_the_hub(tmp_path, tokenizer,
                                                                                                  monkeypatch):
     # corpus.txt.gz was taken for a hub name ("not in the datasets cache ..."), though txt:corpus.txt.gz reads it; a
-    # compressed JSON Lines file now says it is compressed, as --data_path's does
+    # compressed JSON Lines file is read decompressed, as --data_path's is (it was refused, "decompress it")
     import gzip
 
     from dschat.data import unsupervised
@@ -323,23 +323,26 @@ def test_a_compressed_unsupervised_file_is_read_by_its_inner_extension_not_looke
     assert column == "text" and train[0]["text"] == "document 0 has some words in it" and len(train) == 40
     records = tmp_path / "docs.jsonl.gz"
     records.write_bytes(gzip.compress(json.dumps({"text": "hello"}).encode() + b"\n"))
-    with pytest.raises(DatasetFormatError, match=r"docs.jsonl.gz: the file is compressed with gzip"):
-        unsupervised.load_unsupervised_train(str(records))
+    unsupervised.check_unsupervised_file(str(records))
+    train, column = unsupervised.load_unsupervised_train(str(records))
+    assert column == "text" and train["text"] == ["hello"]
 
 
 def test_a_compressed_unsupervised_file_of_a_type_is_said_with_its_flag_by_the_pre_flight_check(tmp_path):
-    """jsonl:docs.jsonl.gz (or docs.jsonl, gzip inside) passed train.py's pre-flight check, and step 3's load said
-    "docs.jsonl.gz: the file is compressed ..." after steps 1 and 2 had trained, naming no flag."""
+    """csv:docs.csv.gz (or docs.jsonl, gzip inside) passed train.py's pre-flight check, and step 3's load said
+    "docs.csv.gz: the file is compressed ..." after steps 1 and 2 had trained, naming no flag. (JSON compressed and
+    named so, jsonl:docs.jsonl.gz, is read: ``test_a_compressed_unsupervised_file_is_read_by_its_inner_extension``.)"""
     import gzip
 
     from dschat.data import unsupervised
 
-    for name in ("docs.jsonl.gz", "docs.jsonl"):
-        (tmp_path / name).write_bytes(gzip.compress(json.dumps({"text": "hello"}).encode() + b"\n"))
-    for spec, path in ((f"jsonl:{tmp_path / 'docs.jsonl.gz'}", tmp_path / "docs.jsonl.gz"),
-                       (str(tmp_path / "docs.jsonl"), None)):
+    (tmp_path / "docs.jsonl").write_bytes(gzip.compress(json.dumps({"text": "hello"}).encode() + b"\n"))
+    (tmp_path / "docs.csv.gz").write_bytes(gzip.compress(b"text\nhello\n"))
+    packed_csv = tmp_path / "docs.csv.gz"
+    for spec, path, said in ((f"csv:{packed_csv}", packed_csv, "which dschat does not read"),
+                             (str(tmp_path / "docs.jsonl"), None, "which its name does not say")):
         said = re.escape(f"--unsupervised_dataset_name {spec}" + (f": {path}" if path else "")) + \
-            ": the file is compressed with gzip"
+            f": the file is compressed with gzip, {said}"
         for read in (unsupervised.check_unsupervised_file, unsupervised.load_unsupervised_train):
             with pytest.raises(DatasetFormatError, match=f"^{said}"):
                 read(spec)

@@ -443,23 +443,72 @@ def test_parquet_shards_of_string_and_large_string_text_join_and_other_types_are
         raw(str(folder), tmp_path)
 
 
-def test_a_compressed_data_file_says_to_decompress_it(tmp_path):
-    # train.jsonl.gz (as Anthropic/hh-rlhf ships its data) was 'cannot tell the format ... write jsonl:FILE', and
-    # jsonl:FILE then 'line 1: not UTF-8 text (byte 0x8b at column 2); save the file as UTF-8'
+def write_compressed(path, text):
+    """``text`` written to ``path`` compressed as its extension says (.gz, .bz2 or .xz)."""
+    import bz2
     import gzip
+    import lzma
 
-    path = tmp_path / "train.jsonl.gz"
-    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
-    for spec in (str(path), f"jsonl:{path}"):
-        with pytest.raises(DatasetFormatError, match=r"train.jsonl.gz: the file is compressed with gzip, which dschat "
-                                                     r"does not read: decompress it \(gunzip -k .*train.jsonl.gz\)"):
+    path.write_bytes({".gz": gzip, ".bz2": bz2, ".xz": lzma}[path.suffix].compress(text.encode()))
+    return str(path)
+
+
+def test_a_compressed_json_file_given_by_its_path_is_read_as_the_plain_file(tmp_path):
+    """train.jsonl.gz given by its own path (as TRL's and OpenRLHF's users give it) was refused ("the file is compressed
+    with gzip, which dschat does not read: decompress it"), though the same file in a hub download's folder was read.
+    A JSON or JSON Lines file compressed with gzip, bzip2 or xz, named so, is read as the plain file, by its path or
+    TYPE:PATH, as train or eval file; its edits are read (its cache keyed by the compressed file's content)."""
+    def read(spec):
+        adapter = raw(spec, tmp_path)
+        return [as_tuples(adapter, getattr(adapter, part)()) for part in ("get_train_data", "get_eval_data")]
+
+    plain_lines = write_records(RECORDS[:15], tmp_path / "train.jsonl", "jsonl")
+    plain_eval = write_records(RECORDS[15:], tmp_path / "eval.jsonl", "jsonl")
+    plain_array = write_records(RECORDS, tmp_path / "all.json", "json")
+    lines = write_compressed(tmp_path / "train.jsonl.gz", "".join(json.dumps(r) + "\n" for r in RECORDS[:15]))
+    packed_eval = write_compressed(tmp_path / "eval.jsonl.bz2", "".join(json.dumps(r) + "\n" for r in RECORDS[15:]))
+    array = write_compressed(tmp_path / "all.json.xz", json.dumps(RECORDS, indent=1))
+    plain = read(f"{plain_lines},{plain_eval}")
+    assert plain[0] == expected_tuples(RECORDS[:15])
+    for spec in (f"{lines},{packed_eval}", f"jsonl:{lines},{packed_eval}", f"{plain_lines},{packed_eval}"):
+        assert read(spec) == plain, spec
+    assert read(array) == read(f"json:{array}") == read(plain_array)  # (split 90/10 alike)
+    assert sorted(read(array)[0] + read(array)[1]) == sorted(expected_tuples(RECORDS))
+    stat = os.stat(lines)
+    write_compressed(tmp_path / "train.jsonl.gz", "".join(json.dumps(r) + "\n" for r in RECORDS[5:20]))
+    os.utime(lines, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # (its time kept: read again all the same)
+    assert read(f"{lines},{packed_eval}")[0] == expected_tuples(RECORDS[5:20])
+    # one not there is a missing file, not a hub dataset's name ("unknown dataset")
+    with pytest.raises(MissingInputError, match=r"^--data_path .*missing\.jsonl\.gz: no such file or folder"):
+        raw(str(tmp_path / "missing.jsonl.gz"), tmp_path)
+
+
+def test_a_broken_line_of_a_compressed_file_given_by_its_path_is_named_by_file_and_line(tmp_path):
+    """A compressed JSON Lines file given by its path gets the plain file's checks, over its text decompressed: a
+    bad line named by the file and its number, a key written twice refused; a CSV compressed is refused, saying to
+    decompress it, and a JSON file compressed though its name does not say so, the name to give it."""
+    lines = [json.dumps(r) for r in RECORDS[:4]]
+    path = write_compressed(tmp_path / "train.jsonl.bz2", "\n".join([*lines[:2], '{"prompt": "cut', *lines[2:]]))
+    for spec in (path, f"jsonl:{path}"):
+        with pytest.raises(DatasetFormatError, match=rf"^{re.escape(path)} line 3: invalid JSON \(Unterminated "):
             raw(spec, tmp_path)
+    write_compressed(tmp_path / "train.jsonl.bz2", "\n".join([lines[0], '{"prompt": "a", "prompt": "b"}']))
+    with pytest.raises(DatasetFormatError, match=rf"^{re.escape(path)} line 2: an object writes the key 'prompt' "
+                                                 "twice"):
+        raw(path, tmp_path)
+    packed_csv = write_compressed(tmp_path / "train.csv.gz", pd.DataFrame(RECORDS).to_csv(index=False))
+    with pytest.raises(DatasetFormatError, match=rf"^--data_path {re.escape(packed_csv)}: the file is compressed with "
+                                                 r"gzip, which dschat does not read here \(it reads JSON and JSON "
+                                                 r"Lines compressed with gzip, bzip2 or xz, named so: x\.jsonl\.gz\): "
+                                                 rf"decompress it \(gunzip -k {re.escape(packed_csv)}\)"):
+        raw(packed_csv, tmp_path)
 
 
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
-    """jsonl:x.jsonl.gz (or a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
-    said "x.jsonl.gz: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its
-    bare path named it."""
+    """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
+    said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its
+    bare path named it. It says the name to give it now (gunzip -k refuses that name). x.jsonl.gz, named so, was
+    refused the same way, and is read now, by every flag that takes data."""
     import gzip
 
     from dschat.data.raw_datasets import check_data_paths
@@ -468,27 +517,32 @@ def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_
     monkeypatch.chdir(tmp_path)
     for name in ("x.jsonl.gz", "packed.jsonl"):
         (tmp_path / name).write_bytes(gzip.compress(b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n'))
+    (tmp_path / "x.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 8)
     write_records(RECORDS, tmp_path / "eval.jsonl", "jsonl")
-    for spec, path in (("jsonl:x.jsonl.gz", "x.jsonl.gz"), ("json:x.jsonl.gz", "x.jsonl.gz"),
-                       ("jsonl:packed.jsonl", "packed.jsonl"), ("packed.jsonl", None),
-                       ("jsonl:eval.jsonl,x.jsonl.gz", "x.jsonl.gz")):
-        said = re.escape(f"{spec}: {path}" if path else spec) + r": the file is compressed with gzip, which dschat " \
-            r"does not read: decompress it \(gunzip -k " + re.escape(path or spec)
+    for spec, path, said in (("jsonl:packed.jsonl", "packed.jsonl", "which its name does not say: name it so "
+                                                                     "(mv packed.jsonl packed.jsonl.gz)"),
+                             ("packed.jsonl", None, "which its name does not say"),
+                             ("jsonl:eval.jsonl,packed.jsonl", "packed.jsonl", "which its name does not say"),
+                             ("jsonl:x.jsonl.zst", "x.jsonl.zst", "which dschat does not read here")):
+        said = re.escape(f"{spec}: {path}" if path else spec) + r": the file is compressed with (gzip|zstd), " + \
+            re.escape(said)
         for flag, read in (("--sft_only_data_path", lambda: check_data_paths(["tiny"], [spec])),
                            ("--data_path", lambda: raw(spec, tmp_path)),
                            ("--pairs_file", lambda: load_records(spec, flag="--pairs_file"))):
             with pytest.raises(DatasetFormatError, match=f"^{flag} {said}"):
                 read()
+    for spec in ("x.jsonl.gz", "jsonl:x.jsonl.gz", "json:x.jsonl.gz", "jsonl:eval.jsonl,x.jsonl.gz"):
+        check_data_paths(["tiny"], [spec])
+        assert load_records(spec, flag="--pairs_file")[-1].user_message == "a"
+        assert len(raw(spec, tmp_path).raw_datasets) == 2
 
 
 def test_a_download_folder_without_a_train_split_advises_files_that_read_when_they_are_compressed(tmp_path,
                                                                                                    monkeypatch):
     """A folder whose compressed JSON splits are not named train (a hub download's train_prefs.jsonl.gz and
-    test_prefs.jsonl.gz) was told to give them as jsonl:x/train_prefs.jsonl.gz,x/test_prefs.jsonl.gz, which is refused:
-    a compressed file given by its own path is ("decompress it ... and give the file that writes"). The advice names
-    the files decompressed, with the command that decompresses them; followed, it reads."""
+    test_prefs.jsonl.gz) is told to give them as jsonl:x/train_prefs.jsonl.gz,x/test_prefs.jsonl.gz, which reads: a
+    compressed file given by its own path was refused, and the advice was to decompress them first."""
     import gzip
-    import subprocess
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prefs").mkdir()
@@ -496,10 +550,8 @@ def test_a_download_folder_without_a_train_split_advises_files_that_read_when_th
         (tmp_path / "prefs" / name).write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
     with pytest.raises(UsageError) as error:
         raw("prefs", tmp_path)
-    advice = re.search(r"\(e\.g\. (\S+), once decompressed: (.+)\)$", str(error.value))
-    assert advice.groups() == ("jsonl:prefs/train_prefs.jsonl,prefs/test_prefs.jsonl",
-                               "gunzip -k prefs/train_prefs.jsonl.gz && gunzip -k prefs/test_prefs.jsonl.gz")
-    subprocess.run(advice.group(2), shell=True, check=True)
+    advice = re.search(r"\(e\.g\. (\S+)\)$", str(error.value))
+    assert advice.group(1) == "jsonl:prefs/train_prefs.jsonl.gz,prefs/test_prefs.jsonl.gz"
     adapter = raw(advice.group(1), tmp_path)
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
 
@@ -2225,7 +2277,7 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
     (tmp_path / "notes.txt").write_text("x")
     for name in ("both/train.jsonl", "both/train.json", "evals/train.jsonl", "evals/eval.jsonl", "evals/eval.json"):
         write_records(RECORDS, tmp_path / name, os.path.splitext(name)[1][1:])
-    for name in ("train.jsonl.gz", "packed/train.csv.gz"):
+    for name in ("train.csv.gz", "packed/train.csv.gz"):
         (tmp_path / name).write_bytes(gzip.compress(b"{}\n"))
     write_records(RECORDS, tmp_path / "prefs/data/train_prefs-00000-of-00001.parquet", "parquet")
     write_records(RECORDS, tmp_path / "hub/data/train-00000-of-00001.parquet", "parquet")
@@ -2234,7 +2286,7 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
                        ("notes.txt", "notes.txt: cannot tell the format of the file from its extension"),
                        ("notes.txt,empty", "notes.txt,empty: notes.txt: cannot tell the format"),
                        ("both", "both: the folder holds train.jsonl and train.json"),
-                       ("train.jsonl.gz", "train.jsonl.gz: the file is compressed with gzip"),
+                       ("train.csv.gz", "train.csv.gz: the file is compressed with gzip"),
                        ("packed", "packed: its train data train.csv.gz is compressed with gzip"),
                        ("csv:packed", "csv:packed: packed: its train data train.csv.gz is compressed"),
                        ("prefs", "prefs: the folder holds a hub dataset's files of the split train_prefs, not train"),

@@ -18,6 +18,9 @@ Spec forms (one string per dataset in ``--data_path``)::
                                                       .parquet, .csv), a save_to_disk folder or the
                                                       DIR/train.EXT inside says what it is
 
+A JSON or JSON Lines file compressed with gzip, bzip2 or xz and named so (x.jsonl.gz, x.json.bz2, x.jsonl.xz) is
+read, in each of these forms, as the file decompressed, and checked so (``open_data_file``).
+
 Without an eval file or split, the train data is split 90/10 with the seed (DeepSpeed-Chat's rule for
 hub datasets that have no eval split), and the indices are cached under ``output_path``.
 
@@ -629,10 +632,16 @@ def resolve_local_spec(spec, flag="--data_path"):
         return _typed_source(kind.lower(), rest, spec, flag)
     paths = _split_paths(spec, flag)
     if not os.path.exists(paths[0]):
-        if os.path.splitext(paths[0])[1] in EXTENSION_TYPES:
+        if names_a_data_file(paths[0]):
             raise missing_data_path(spec, paths[0], flag)
         return None
     return _typed_source(_infer_kind(paths[0], data_spec_where(spec, paths[0], flag)), spec, spec, flag)
+
+
+def names_a_data_file(path):
+    """Whether ``path`` ends as a data file's name (x.jsonl, compressed too: x.jsonl.gz): meant as a file here, never a
+    hub dataset's name."""
+    return data_file_extensions(path)[0].lower() in EXTENSION_TYPES
 
 
 def missing_data_path(spec, path, flag):
@@ -686,9 +695,12 @@ def _infer_kind(path, where):
         check_folder_not_compressed(path, where)
         raise UsageError(f"{where}: cannot tell what the folder holds: it is not a save_to_disk folder and has no "
                          "train.jsonl/.json/.parquet/.csv; use TYPE:PATH")
-    kind = EXTENSION_TYPES.get(os.path.splitext(path)[1].lower())
+    ext, packed = data_file_extensions(path)
+    kind = EXTENSION_TYPES.get(ext.lower())
     tool = COMPRESSED_EXTENSIONS.get(os.path.splitext(path)[1].lower())
-    if kind is None and tool:  # (not "write jsonl:FILE", which then read it as text that is not UTF-8)
+    # JSON compressed with gzip, bzip2 or xz is read decompressed (``open_data_file``); another compressed file is
+    # said so (not "write jsonl:FILE", which then read it as text that is not UTF-8)
+    if tool and not (packed and kind in ("json", "jsonl")):
         raise compressed_error(path, tool, where)
     if kind is None:
         raise UsageError(f"{where}: cannot tell the format of the file from its extension; write jsonl:{path}, "
@@ -702,11 +714,10 @@ def _is_saved_dataset(path):
 
 def _typed_source(kind, paths_text, spec, flag):
     source = _source_of_paths(kind, paths_text, spec, flag)
-    given = _split_paths(paths_text, flag)
-    for path in source.files:  # (said here, with the flag, before any step runs: loading said the file alone)
-        # (a hub download's compressed JSON in a folder given, named so, datasets reads: ``_hub_split_files``)
-        if os.path.isfile(path) and (path in given or not data_file_extensions(path)[1]):
-            check_not_compressed(path, data_spec_where(spec, path, flag))
+    for file_kind, paths in ((source.kind, source.train_files), (source.eval_type, source.eval_files)):
+        for path in paths:  # (said here, with the flag, before any step runs: loading said the file alone)
+            if os.path.isfile(path):
+                check_compression_read(file_kind, path, data_spec_where(spec, path, flag))
     return source
 
 
@@ -822,11 +833,10 @@ def _hub_layout_source(kind, folder, spec, flag=None):
         return None
     if "train" not in splits:
         named = sorted(splits, key=lambda name: not name.startswith("train"))[:2]  # (train_prefs before test_prefs)
-        files, commands = files_to_give([splits[name][0] for name in named])
+        files = ",".join(os.path.relpath(splits[name][0]) for name in named)
         raise UsageError(f"{given_as(flag, spec)}: the folder holds a hub dataset's files of {splits_said(splits)}, "
                          f"{'not' if len(splits) == 1 else 'none of them'} train: give the files to read as "
-                         f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files}"
-                         f"{f', once decompressed: {commands}' if commands else ''})")
+                         f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     check_subsets_alike(given_as(flag, spec), folder, splits, ["train", *eval_names[:1]])
     for name in ["train", *eval_names[:1]]:
@@ -861,17 +871,6 @@ def say_subfolders_joined(spec, folder, files):
     print_rank_0(f"[dschat.data] {spec}: no data files at the folder's top level; the split files of its subfolders "
                  f"{', '.join(map(os.path.basename, subfolders))} are read as one dataset, each split joined in that "
                  "order")
-
-
-def files_to_give(paths):
-    """(``paths``, a download's split files, as TRAIN_PATH,EVAL_PATH may give them, the commands that decompress those
-    compressed, "" where none is): a compressed file is read in a download's folder but refused by its own path
-    (``check_not_compressed``), so it is given decompressed (train_prefs.jsonl.gz: train_prefs.jsonl)."""
-    packed = [path for path in paths if data_file_extensions(path)[1]]
-    files = ",".join(os.path.relpath(path[:len(path) - len(data_file_extensions(path)[1])]) for path in paths)
-    commands = " && ".join(f"{DECOMPRESS[COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()]]} "
-                           f"{os.path.relpath(path)}" for path in packed)
-    return files, commands
 
 
 def check_subsets_alike(where, folder, splits, names):
@@ -1211,9 +1210,21 @@ COMPRESSED_EXTENSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "z
 DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
 
 
-def compressed_error(path, tool, where=None):
-    """``where``: how the error names ``path`` (``data_spec_where``: with the flag that gave it), else by itself."""
-    return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read: "
+# the extension that names each compression of JSON dschat reads (``PACKED_JSON``): gzip's .gz
+PACKED_JSON_EXTENSIONS = {COMPRESSED_EXTENSIONS[ext]: ext for ext in PACKED_JSON}
+
+
+def compressed_error(path, tool, where=None, kind=None):
+    """The error for a data file compressed with ``tool`` that dschat does not read so: a JSON or JSON Lines file
+    (``kind``) compressed with gzip, bzip2 or xz is, where its name says so (x.jsonl.gz): the name to give it (``gunzip
+    -k x.jsonl`` would refuse it for its name); another is to be decompressed. ``where``: how the error names ``path``
+    (``data_spec_where``: with the flag that gave it), else by itself."""
+    extension = PACKED_JSON_EXTENSIONS.get(tool)
+    if extension and kind in ("json", "jsonl"):
+        return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which its name does not say: "
+                                  f"name it so (mv {path} {path}{extension}), and it is read decompressed")
+    return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read here "
+                              "(it reads JSON and JSON Lines compressed with gzip, bzip2 or xz, named so: x.jsonl.gz): "
                               f"decompress it ({DECOMPRESS[tool]} {path}) and give the file that writes")
 
 
@@ -1243,26 +1254,20 @@ def compressed_with(path):
 
 
 def check_compression_read(kind, path, where=None):
-    """A data file compressed otherwise than as JSON named so (``PACKED_JSON``: a hub download's train.jsonl.gz, read
-    decompressed, ``open_data_file``) is an error saying how to decompress it (``check_not_compressed``)."""
-    if kind not in ("json", "jsonl") or not data_file_extensions(path)[1]:
-        check_not_compressed(path, where)
-
-
-def check_not_compressed(path, where=None):
-    """A compressed data file is an error saying so: read as text it was 'not UTF-8 text ... save the file as UTF-8'.
-    ``where``: how the error names ``path`` (``compressed_error``)."""
+    """A data file of ``kind`` compressed otherwise than as JSON named so (``PACKED_JSON``: train.jsonl.gz, read
+    decompressed, ``open_data_file``) is an error saying so (``compressed_error``): read as text it was 'not UTF-8
+    text ... save the file as UTF-8'. ``where``: how the error names ``path``."""
+    if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
+        return
     tool = compressed_with(path)
     if tool:
-        raise compressed_error(path, tool, where)
+        raise compressed_error(path, tool, where, kind)
 
 
 def load_file(kind, path):
     """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder; a JSON file named
-    compressed, a hub download's (``_hub_split_files``: a file given so is refused before), checked as it is
-    decompressed, a line at a time (``open_data_file``), as a plain one is, then read by datasets' json loader, which
-    decompresses it too (Anthropic/hh-rlhf's SUBSET/train.jsonl.gz: a bad line was said by datasets' words, without
-    its number)."""
+    compressed (x.jsonl.gz, a hub download's SUBSET/train.jsonl.gz), checked as it is decompressed, a line at a time
+    (``open_data_file``), as a plain one is, then read by datasets' json loader, which decompresses it too."""
     check_compression_read(kind, path)
     record_lines = header = None
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)

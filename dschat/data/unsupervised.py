@@ -4,11 +4,11 @@
 column, else its first column, as DeepSpeed-Chat does), a folder written by ``save_to_disk`` (its train split) or a
 hub dataset's download (``hf download --local-dir``: its train split files, in the config's folder when given), a
 local file with a ``text`` field: ``text:PATH`` / a ``.txt`` path (one document per line), ``jsonl:PATH`` /
-``.jsonl``, ``json:PATH`` / ``.json``, ``csv:PATH`` / ``.csv``, ``parquet:PATH`` / ``.parquet``, or ``tiny``: the
-embedded data's prompts and chosen answers as documents. The texts are tokenized, concatenated and cut into blocks of
-``max_prompt_seq_len + max_answer_seq_len`` tokens, each document ended by the EOS token (the remainder of each map
-batch is dropped). Blank documents (empty or whitespace-only lines of a .txt file, say) are skipped, and counted in
-the data report as the prompt data's skipped records are.
+``.jsonl``, ``json:PATH`` / ``.json`` (JSON compressed too: ``.jsonl.gz``), ``csv:PATH`` / ``.csv``, ``parquet:PATH`` /
+``.parquet``, or ``tiny``: the embedded data's prompts and chosen answers as documents. The texts are tokenized,
+concatenated and cut into blocks of ``max_prompt_seq_len + max_answer_seq_len`` tokens, each document ended by the EOS
+token (the remainder of each map batch is dropped). Blank documents (empty or whitespace-only lines of a .txt file,
+say) are skipped, and counted in the data report as the prompt data's skipped records are.
 """
 import os
 import re
@@ -16,9 +16,9 @@ import re
 from dschat.errors import MissingInputError, UsageError, given_as
 from .base import hub_cache_snapshot, load_hub_dataset_else_download, splits_said
 from .errors import DatasetFormatError
-from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, check_not_compressed, compressed_with,
-                    data_spec_where, file_digest, load_content_keyed, load_file, not_utf8_error, only_blank_lines,
-                    record_where, text_encoding)
+from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, check_compression_read, compressed_with,
+                    data_spec_where, file_digest, holds_no_bytes, load_content_keyed, load_file, not_utf8_error,
+                    only_blank_lines, record_where, text_encoding)
 from .pipeline import print_skip_lines
 
 # (CSV and parquet as the prompt data's files: a .csv or .parquet path was looked up on the hub)
@@ -182,11 +182,12 @@ def check_unsupervised_file(name, config_name=None):
 
 
 def check_local_file(name, kind, path):
-    """A local ``--unsupervised_dataset_name`` file dschat cannot read is an error naming the flag: compressed (a
-    .txt aside, which the text reader decompresses; the error named the file alone, when step 3 loaded it), or
-    without text (``check_has_text``)."""
+    """A local ``--unsupervised_dataset_name`` file dschat cannot read is an error naming the flag: compressed
+    otherwise than JSON named so (docs.jsonl.gz, read decompressed) or a .txt, which the text reader decompresses
+    (``check_compression_read``; the error named the file alone, when step 3 loaded it), or without text
+    (``check_has_text``)."""
     if kind != "text":
-        check_not_compressed(path, data_spec_where(name, path, "--unsupervised_dataset_name"))
+        check_compression_read(kind, path, data_spec_where(name, path, "--unsupervised_dataset_name"))
     check_has_text(name, kind, path)
 
 
@@ -194,7 +195,7 @@ def check_has_text(name, kind, path):
     """A local file of ``kind`` at ``path`` that is empty or holds only blank lines is an error naming it: datasets'
     own error for an empty one names neither file nor cause, and a text file's blank lines were each skipped as a
     blank document, which left no block to train on, said only after tokenizing."""
-    if os.path.getsize(path) == 0:
+    if holds_no_bytes(path):  # (a compressed file's text: docs.jsonl.gz)
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
     if kind != "parquet" and only_blank_lines(path):
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} has only blank lines: no documents")
@@ -370,7 +371,7 @@ def _local_text_source(name):
         return LOCAL_TEXT_TYPES[kind.lower()], rest
     stem, packed = os.path.splitext(name)
     # (a compressed file, corpus.txt.gz, by the extension under its compressor's: it was looked up on the hub; the
-    # text reader decompresses it, the others say it is compressed)
+    # text reader decompresses it, and JSON's reader, named so (docs.jsonl.gz); the others say it is compressed)
     extension = os.path.splitext(stem if packed.lower() in COMPRESSED_EXTENSIONS else name)[1].lstrip(".").lower()
     # (no hub name ends so: a mistyped file is not looked up on the hub; a save_to_disk folder's name may)
     if extension in LOCAL_TEXT_TYPES and not os.path.isdir(name):

@@ -45,15 +45,14 @@ def check_local_data_there(spec, flag=None):
     ORG/NAME; a trailing /; a data file's extension) and is not there: "no such file or folder", naming ``flag``.
     Such a mistyped folder had the advice for a hub dataset's name (``no_local_data``), a file "data file not found"
     naming no flag. Typed specs (jsonl:PATH) and names (tiny, local/jsonfile, a hub dataset's) say their own."""
-    from dschat.data.local import EXTENSION_TYPES, LOCAL_JSONFILE, LOCAL_TYPES, _split_paths, missing_data_path
+    from dschat.data.local import LOCAL_JSONFILE, LOCAL_TYPES, _split_paths, missing_data_path, names_a_data_file
     from dschat.models.loading import looks_local
 
     kind, typed, _ = spec.partition(":")
     if spec in (TINY_NAME, LOCAL_JSONFILE) or (typed and kind.lower() in LOCAL_TYPES):
         return
     for path in _split_paths(spec, flag):
-        meant_here = (looks_local(os.path.expanduser(path)) or path.endswith("/")
-                      or os.path.splitext(path)[1].lower() in EXTENSION_TYPES)
+        meant_here = looks_local(os.path.expanduser(path)) or path.endswith("/") or names_a_data_file(path)
         if meant_here and not os.path.exists(path):
             raise missing_data_path(spec, path, flag)
 
