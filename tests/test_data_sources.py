@@ -1922,6 +1922,32 @@ def test_a_pair_answer_of_weight_0_is_an_error(tmp_path):
         raw(f"{path},{path}", tmp_path)
 
 
+def test_a_json_file_of_json_lines_is_checked_a_line_at_a_time_not_read_whole(tmp_path):
+    """A .json file that is JSON Lines (allenai/c4's shards, c4-train.00000-of-01024.json.gz, ~800 MB decompressed;
+    stanfordnlp/SHP's files) was read whole into memory, to be told from one JSON document by a parse that failed,
+    then checked a line at a time. Its first line, a whole object with more lines after it, says so now: the whole
+    text is never held. The same file's checks say what they said (its bad line by number)."""
+    import gzip
+    import tracemalloc
+
+    from dschat.data import local
+
+    rows = [json.dumps({"text": f"document {i} " + "word " * 200, "url": f"https://x/{i}"}) for i in range(4000)]
+    path = tmp_path / "c4-train.00000-of-00001.json.gz"
+    path.write_bytes(gzip.compress("\n".join(rows).encode() + b"\n"))
+    size = sum(len(row) + 1 for row in rows)
+    tracemalloc.start()
+    try:
+        assert local.check_json_document(str(path)) == list(range(1, 4001))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size / 4, (peak, size)
+    path.write_bytes(gzip.compress("\n".join([*rows[:2], '{"text": "cut', *rows[2:4]]).encode()))
+    with pytest.raises(DatasetFormatError, match=r"json\.gz line 3: invalid JSON \(Unterminated string"):
+        local.check_json_document(str(path))
+
+
 def test_malformed_json_document_names_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "c" "chosen": "d"}\n]\n')

@@ -1141,6 +1141,8 @@ def check_json_document(path, key_orders=None):
     ``check_jsonl_lines``); DatasetFormatError with the line of a syntax error. Where given, ``key_orders`` (a
     ``_KeyOrders``) gathers the order of its objects' keys in the same parse."""
     try:
+        if _starts_as_json_lines(path):
+            return check_jsonl_lines(path, key_orders)
         with open_data_file(path, text_encoding(path)) as f:
             text = f.read()
     except UnicodeDecodeError:
@@ -1185,6 +1187,24 @@ def check_json_document(path, key_orders=None):
         for record in document:
             key_orders.add(record)
     return None
+
+
+def _starts_as_json_lines(path):
+    """Whether a .json file is JSON Lines by its start: a first line that is a whole JSON object, with more text on the
+    lines after it, is no one JSON document, and ``check_json_document`` checks it as JSON Lines, as it did once it
+    had read the whole text (allenai/c4's shards, ~800 MB decompressed) and failed to parse it. Only the first line,
+    and the blank ones before and after it, are read (a file that starts otherwise, its first character alone)."""
+    with open_data_file(path, text_encoding(path)) as f:
+        start = f.read(1)
+        while start.isspace():
+            start = f.read(1)
+        if start != "{":
+            return False
+        try:
+            first = json.loads(start + f.readline())
+        except json.JSONDecodeError:
+            return False
+        return isinstance(first, dict) and any(line.strip() for line in f)
 
 
 def _records_keys(document):
