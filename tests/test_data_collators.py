@@ -557,8 +557,6 @@ def test_unsupervised_c4_downloaded_into_the_hub_cache_its_gzip_json_shards_are_
 
     from huggingface_hub import constants
 
-    from dschat.errors import UsageError
-
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--allenai--c4")
     config = snapshot / "en"
@@ -580,11 +578,14 @@ def test_unsupervised_c4_downloaded_into_the_hub_cache_its_gzip_json_shards_are_
     assert data[0]["input_ids"].tolist() == tokenizer(texts[0])["input_ids"][:10]  # (the first shard's first text)
     assert f"--unsupervised_dataset_name allenai/c4: not in the datasets cache, read from its download in the hub " \
            f"cache, {config}" in capsys.readouterr().out
-    # a shard missing (a download cut short) is said, with the name of the shard, as a parquet split's is
+    # a download of some of the shards (hf download --include) reads those, and says so; an empty one is an error
     (config / "c4-train.00001-of-00003.json.gz").unlink()
-    with pytest.raises(UsageError, match=r"^--unsupervised_dataset_name allenai/c4: the train split is in 3 shards, "
-                                         r"and the folder lacks c4-train\.00001-of-00003\.json\.gz: a download cut "
-                                         r"short"):
+    data = get_unsupervised_data(args, tokenizer)
+    assert len(data) == sum(len(tokenizer(text)["input_ids"]) + 1 for text in documents[0] + documents[2]) // 10
+    assert "allenai/c4: the download holds 2 of the 3 train shards: reading those" in capsys.readouterr().out
+    (config / "c4-train.00001-of-00003.json.gz").write_bytes(b"")
+    with pytest.raises(DatasetFormatError, match=r"^--unsupervised_dataset_name allenai/c4: .*c4-train\.00001-of-"
+                                                 r"00003\.json\.gz is empty \(0 bytes\): a download cut short"):
         get_unsupervised_data(args, tokenizer)
 
 
@@ -671,25 +672,58 @@ def test_unsupervised_c4_download_of_configs_without_the_config_named_says_to_na
         shutil.rmtree(download)  # (the folder here is read before the hub cache's download: written after it)
 
 
+def test_a_download_of_some_c4_shards_reads_those_and_says_how_many(tmp_path, monkeypatch, tokenizer, capsys):
+    """allenai/c4's en config is 1024 train shards (300+ GB): it is used by downloading some of them,
+    `hf download --repo-type dataset allenai/c4 --include 'en/c4-train.0000[0-9]-of-01024.json.gz' --local-dir
+    allenai/c4`. Such a download was refused, by the pre-flight check and by step 3 alike ("the train split is in 1024
+    shards, and the folder lacks ...: a download cut short?"). The shards there are read, and how many of how many is
+    said once; a shard cut short is still an error naming it."""
+    import gzip
+
+    from dschat.data import unsupervised
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "allenai" / "c4" / "en"
+    config.mkdir(parents=True)
+    texts = [f"Document {shard} of the crawl." for shard in range(10)]
+    for shard, text in enumerate(texts):
+        (config / f"c4-train.{shard:05d}-of-01024.json.gz").write_bytes(
+            gzip.compress(json.dumps({"text": text, "url": "u"}).encode() + b"\n"))
+    (config / "c4-validation.00000-of-00008.json.gz").write_bytes(gzip.compress(b'{"text": "A validation text."}\n'))
+    unsupervised.check_unsupervised_file("allenai/c4", "en")  # (train.py's pre-flight)
+    data = get_unsupervised_data(unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en"), tokenizer)
+    assert len(data) == sum(len(tokenizer(text)["input_ids"]) + 1 for text in texts) // 10
+    out = capsys.readouterr().out
+    assert out.count("--unsupervised_dataset_name allenai/c4: the download holds 10 of the 1024 train shards: "
+                     "reading those\n") == 1, out
+    # a shard cut short (truncated gzip) is its own error, naming it
+    whole = (config / "c4-train.00003-of-01024.json.gz").read_bytes()
+    (config / "c4-train.00003-of-01024.json.gz").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DatasetFormatError, match=r"c4-train\.00003-of-01024\.json\.gz: could not be read as "
+                                                 r"compressed JSON"):
+        get_unsupervised_data(unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en"), tokenizer)
+
+
 def test_an_unsupervised_download_folder_cut_short_is_said_by_the_pre_flight_check(tmp_path, monkeypatch):
-    """./allenai/c4 (hf download --local-dir) with a shard missing, or without the config named, passed train.py's
+    """./allenai/c4 (hf download --local-dir) with an empty shard, or without the config named, passed train.py's
     pre-flight check (check_unsupervised_file checked local files only) and was said by step 3's load, after steps 1
     and 2 had trained; the same download in the hub cache is loaded by the pre-flight. Its layout is checked before
     step 1 now (its files are not read: step 3 reads them)."""
     import gzip
 
     from dschat.data import unsupervised
-    from dschat.errors import MissingInputError, UsageError
+    from dschat.errors import MissingInputError
 
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "allenai" / "c4" / "en"
     config.mkdir(parents=True)
     for shard in (0, 2):
         (config / f"c4-train.{shard:05d}-of-00003.json.gz").write_bytes(gzip.compress(b'{"text": "A document."}\n'))
+    (config / "c4-train.00001-of-00003.json.gz").write_bytes(b"")
     for check in (lambda: unsupervised.check_unsupervised_file("allenai/c4", "en"),
                   lambda: unsupervised.load_unsupervised_train("allenai/c4", "en")):
-        with pytest.raises(UsageError, match=r"^--unsupervised_dataset_name allenai/c4: the train split is in 3 "
-                                             r"shards, and the folder lacks c4-train\.00001-of-00003\.json\.gz"):
+        with pytest.raises(DatasetFormatError, match=r"^--unsupervised_dataset_name allenai/c4: .*c4-train\.00001-of-"
+                                                     r"00003\.json\.gz is empty \(0 bytes\)"):
             check()
     with pytest.raises(MissingInputError, match=r"^--unsupervised_dataset_name allenai/c4: the download here holds "
                                                 r"no config realnewslike \(its configs: en\)"):

@@ -98,7 +98,7 @@ def test_a_hub_datasets_downloaded_folder_reads_its_split_files(tmp_path):
         raw(str(prefs), tmp_path)
 
 
-def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_named(tmp_path):
+def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_said(tmp_path, capsys):
     # FOLDER/data/train-00000-of-00002.parquet and train-00001-of-00002.parquet (load_dataset(FOLDER) reads them as one
     # split) were refused: "dschat reads one file per split: save the dataset as one"
     folder = tmp_path / "hub"
@@ -110,11 +110,14 @@ def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_na
     adapter = raw(str(folder), tmp_path)
     assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
-    # a download cut short: the shard missing is named (one shard alone was read as the whole split)
+    # a download of some of the shards: those are read, and said (one shard alone was read as the whole split unsaid)
     (folder / "data" / "train-00001-of-00002.parquet").unlink()
-    with pytest.raises(UsageError, match=r"the train split is in 2 shards, and the folder lacks "
-                                         r"train-00001-of-00002\.parquet: a download cut short"):
-        raw(str(folder), tmp_path)
+    (folder / "data" / "test-00000-of-00002.parquet").unlink()
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:5])
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[17:])
+    assert f"{folder}: the download holds 1 of the 2 train shards, 1 of the 2 test shards: reading those" in \
+        capsys.readouterr().out
     # JSON Lines shards: a record's error names its shard, line and record there; a number among one shard's strings
     # is that record's error (the shards' columns were of other types)
     shards = tmp_path / "shards"
@@ -142,15 +145,17 @@ def test_a_hub_datasets_split_files_with_a_hash_after_the_shard_count_are_its_sp
         adapter = raw(spec, tmp_path)
         assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
         assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
-    # shards with hashes: read as one split; one missing is named, its hash unknown
+    # shards with hashes: read as one split
     for number, part in enumerate((RECORDS[:5], RECORDS[5:15])):
         write_records(part, folder / "data" / f"train-0000{number}-of-00002-{number}a{number}b.parquet", "parquet")
     (folder / "data" / "train-00000-of-00001-2a1df75c6bce91ab.parquet").unlink()
     adapter = raw(str(folder), tmp_path)
     assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
-    (folder / "data" / "train-00001-of-00002-1a1b.parquet").unlink()
-    with pytest.raises(UsageError, match=r"the train split is in 2 shards, and the folder lacks "
-                                         r"train-00001-of-00002-\*\.parquet: a download cut short"):
+    # two files of one shard number (two exports' hashes) are no one split
+    write_records(RECORDS[:5], folder / "data" / "train-00000-of-00002-9f9f.parquet", "parquet")
+    with pytest.raises(UsageError, match=r"the train split in shards of more than one download \(files of one shard "
+                                         r"number: train-00000-of-00002-0a0b\.parquet, "
+                                         r"train-00000-of-00002-9f9f\.parquet\)"):
         raw(str(folder), tmp_path)
 
 
@@ -2316,7 +2321,7 @@ def test_a_missing_data_path_is_said_with_the_flag_that_gave_it(tmp_path, monkey
 def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_path, monkeypatch):
     """The errors of a data path that is there but of no form dschat reads named the path alone, not the flag that
     gave it (--sft_only_data_path, a tool's --pairs_file): "cannot tell what the folder X holds", "cannot tell the
-    format of X", a compressed file or folder, a hub dataset's download without a train split or missing a shard, a
+    format of X", a compressed file or folder, a hub dataset's download without a train split or of shards of two downloads, a
     folder of two eval files, a spec of three paths."""
     import gzip
 
@@ -2335,6 +2340,7 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
     write_records(RECORDS, tmp_path / "prefs/data/train_prefs-00000-of-00001.parquet", "parquet")
     write_records(RECORDS, tmp_path / "hub/data/train-00000-of-00001.parquet", "parquet")
     write_records(RECORDS, tmp_path / "shards/data/train-00000-of-00002.parquet", "parquet")
+    write_records(RECORDS, tmp_path / "shards/data/train-00001-of-00003.parquet", "parquet")  # (another download's)
     for spec, said in (("empty", "empty: cannot tell what the folder holds"),
                        ("notes.txt", "notes.txt: cannot tell the format of the file from its extension"),
                        ("notes.txt,empty", "notes.txt,empty: notes.txt: cannot tell the format"),
@@ -2345,7 +2351,8 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
                        ("prefs", "prefs: the folder holds a hub dataset's files of the split train_prefs, not train"),
                        ("jsonl:hub", "jsonl:hub: the folder's train data is"),
                        ("evals", "evals: the folder holds eval.jsonl and eval.json"),
-                       ("shards", "shards: the train split is in 2 shards"),
+                       ("shards", r"shards: the folder holds the train split in shards of more than one download "
+                                  r"\(shards of 2 and 3 in all\)"),
                        ("a,b,c", "a,b,c: expected PATH or TRAIN_PATH,EVAL_PATH")):
         for flag, read in (("--sft_only_data_path", lambda: check_data_paths(["tiny"], [spec])),
                            ("--pairs_file", lambda: load_records(spec, flag="--pairs_file"))):

@@ -186,7 +186,7 @@ class PromptRawDataset:
         --data_path folder's are (``local.hub_download_split``)."""
         from datasets import DatasetDict
 
-        from .local import _hub_split_files, check_subsets_alike, hub_download_split
+        from .local import _hub_split_files, check_download_splits, check_subsets_alike, hub_download_split
 
         downloaded = _hub_split_files(folder)
         self.check_copy_splits(list(downloaded), copy, f"download all its files ({self.download_command()}), or give "
@@ -194,6 +194,7 @@ class PromptRawDataset:
                                                        "data")
         where = given_as(self.flag, self.dataset_name)
         check_subsets_alike(where, folder, downloaded, self.splits_read())
+        check_download_splits(where, downloaded, self.splits_read())
         return DatasetDict({name: hub_download_split(where, name, downloaded[name]) for name in self.splits_read()})
 
     def download_command(self):

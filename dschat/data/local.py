@@ -69,6 +69,7 @@ record (and its line where known: JSON Lines, CSV) and the field.
 """
 import ast
 import bz2
+import collections
 import contextlib
 import copy
 import functools
@@ -826,8 +827,8 @@ def _hub_layout_source(kind, folder, spec, flag=None):
     """A LocalSource of a folder laid out as a hub dataset's repository (``_hub_split_files``): its train files, and
     its eval, test or validation files (the first there, as ``_folder_eval_file``); None where it holds no such files.
     A split of several files (shards, train-00000-of-00002.parquet and train-00001-of-00002.parquet) is read as one, as
-    load_dataset(FOLDER) reads it (it was refused: "dschat reads one file per split"); one whose shards are not all
-    there is an error naming those missing."""
+    load_dataset(FOLDER) reads it (it was refused: "dschat reads one file per split"); one of which only some shards
+    are there is read from those, and said (``check_download_splits``)."""
     splits = _hub_split_files(folder)
     if not splits:
         return None
@@ -839,8 +840,7 @@ def _hub_layout_source(kind, folder, spec, flag=None):
                          f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     check_subsets_alike(given_as(flag, spec), folder, splits, ["train", *eval_names[:1]])
-    for name in ["train", *eval_names[:1]]:
-        _check_whole_split(given_as(flag, spec), name, splits[name])
+    check_download_splits(given_as(flag, spec), splits, ["train", *eval_names[:1]])
     train = splits["train"][0]
     if hub_data_kind(train) != kind:
         raise UsageError(f"{given_as(flag, spec)}: the folder's train data is {os.path.relpath(train)}, not {kind}")
@@ -889,45 +889,81 @@ def check_subsets_alike(where, folder, splits, names):
 
 
 def hub_download_split(where, name, files):
-    """The split ``name`` of a hub dataset's download, its ``files`` (``_hub_split_files``), read as a --data_path
-    folder's split is: checked whole (``_check_whole_split``; ``where``: the data as its errors name it, after its
-    flag), its shards (its subsets' files) read as one (``load_split_files``)."""
-    _check_whole_split(where, name, files)
+    """The split ``name`` of a hub dataset's download, its ``files`` (``_hub_split_files``, checked by the caller:
+    ``check_download_splits``), read as a --data_path folder's split is, its shards (its subsets' files) read as one
+    (``load_split_files``)."""
     return load_split_files(hub_data_kind(files[0]), files)[0]
 
 
-def _check_whole_split(where, name, files):
+# the partial downloads said: once per data and shard counts per process
+_PARTIAL_DOWNLOADS_SAID = set()
+
+
+def check_download_splits(where, splits, names):
+    """The splits ``names`` of a download (``splits``: {split: [files]}, ``_hub_split_files``) checked
+    (``_check_split_files``; ``where``: the data as its errors name it, after its flag). A split of which the download
+    holds only some numbered shards is read from those, as a download of some of allenai/c4's 1024 shards
+    (``hf download --include 'en/c4-train.0000[0-9]-of-01024.json.gz'``, the common way to use it: its en config is
+    300+ GB) needs; how many of how many is said once (rank 0), so that no partial split is read unsaid."""
+    from dschat.utils.dist import print_rank_0
+
+    partial = [said for name in names if (said := _check_split_files(where, name, splits[name]))]
+    if partial and (where, *partial) not in _PARTIAL_DOWNLOADS_SAID:
+        _PARTIAL_DOWNLOADS_SAID.add((where, *partial))
+        print_rank_0(f"[dschat.data] {where}: the download holds {', '.join(partial)}: reading those")
+
+
+def _check_split_files(where, name, files):
     """A split's files (sorted) must be of one type, and in each folder (a subset's, as Anthropic/hh-rlhf's
-    harmless-base/) one file, or its shards SPLIT-0000K-of-0000N.EXT of one type, every K of the N there: a download
-    cut short, or two layouts of a split side by side, is an error naming the files (and the data as ``where`` names
-    it: after its flag)."""
+    harmless-base/) one file, or shards SPLIT-0000K-of-0000N.EXT of one type and one N (``_check_shards``): two
+    layouts of a split side by side, or a shard that is empty, is an error naming the files (and the data as
+    ``where`` names it: after its flag). Returns "K of the N SPLIT shards" where only K of its N shards are there
+    (a subset missing a split file is ``check_subsets_alike``'s error), else None."""
     if len({hub_data_kind(path) for path in files}) > 1:
         raise UsageError(f"{where}: the folder holds the {name} split in files of different types: "
                          f"{', '.join(os.path.relpath(path) for path in files)}; keep those of the split to read")
+    present = total = 0
     for folder in dict.fromkeys(os.path.dirname(path) for path in files):
-        _check_whole_shards(where, name, [path for path in files if os.path.dirname(path) == folder])
+        counts = _check_shards(where, name, [path for path in files if os.path.dirname(path) == folder])
+        present, total = (present + counts[0], total + counts[1]) if counts else (present + 1, total + 1)
+    return f"{present} of the {total} {name} shards" if present < total else None
 
 
-def _check_whole_shards(where, name, files):
-    """``_check_whole_split`` of the split's files in one folder."""
+def _check_shards(where, name, files):
+    """``_check_split_files`` of the split's files in one folder: (shards there, shards in all) of a split in
+    numbered shards, None for one file of it. Some of the shards are a download of some (c4's); two shards of one
+    number, shards of two totals, or an empty shard (a download cut short) are errors."""
     if len(files) == 1 and not _HUB_SPLIT_FILE.match(os.path.basename(files[0])):
-        return
+        return None
     shards = [_HUB_SPLIT_FILE.match(os.path.basename(path)) for path in files]
     names = ", ".join(os.path.relpath(path) for path in files)
     if not all(shards) or len({(shard["ext"], shard["packed"]) for shard in shards}) > 1:
         raise UsageError(f"{where}: the folder holds the {name} split in the files {names}: one file, or the shards of "
                          f"one type named {name}-00000-of-0000N.EXT, is one split; keep those of the split to read")
-    total = int(shards[0]["shards"])
-    present = {int(shard["shard"]) for shard in shards if int(shard["shards"]) == total}
-    # a missing shard named as the first one is, its number in place (a missing shard's hash is not known)
-    first = shards[0]
-    stem, tail = first.string[:first.start("shard")], ("-*" if first["suffix"] else "") + first["ext"] + \
-        (first["packed"] or "")
-    missing = [f"{stem}{number:05d}-of-{total:05d}{tail}" for number in range(total) if number not in present]
-    if missing or len(files) != total:
-        said = f"lacks {names_said(missing)}" if missing else f"holds {len(files)} files of them ({names})"
-        raise UsageError(f"{where}: the {name} split is in {total} shards, and the folder {said}: a download cut "
-                         "short? download the dataset again (all its files)")
+    mixed = _shards_mixed(shards)
+    if mixed:
+        raise UsageError(f"{where}: the folder holds the {name} split in shards of more than one download ({mixed}): "
+                         "keep those of one download of the split")
+    empty = [os.path.relpath(path) for path in files if os.path.getsize(path) == 0]
+    if empty:
+        raise DatasetFormatError(f"{where}: {names_said(empty)} {'is' if len(empty) == 1 else 'are'} empty (0 bytes): "
+                                 "a download cut short? download it again")
+    return len(files), int(shards[0]["shards"])
+
+
+def _shards_mixed(shards):
+    """What makes the shard files ``shards`` (``_HUB_SPLIT_FILE`` matches) no set of one download's shards, else None:
+    two totals, two files of one number (two exports, their hashes differing), a number past its total."""
+    totals = sorted({int(shard["shards"]) for shard in shards})
+    if len(totals) > 1:
+        return f"shards of {' and '.join(map(str, totals))} in all"
+    numbers = [int(shard["shard"]) for shard in shards]
+    counts = collections.Counter(numbers)
+    repeated = sorted(shard.string for shard, number in zip(shards, numbers) if counts[number] > 1)
+    if repeated:
+        return f"files of one shard number: {names_said(repeated)}"
+    past = [shard.string for shard, number in zip(shards, numbers) if number >= totals[0]]
+    return f"a shard number past the total: {names_said(past)}" if past else None
 
 
 def names_said(names, most=4):

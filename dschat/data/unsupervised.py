@@ -169,9 +169,9 @@ def load_unsupervised_train(name, config_name=None):
 
 def check_unsupervised_file(name, config_name=None):
     """A local ``--unsupervised_dataset_name`` file that is missing, empty or only blank lines, or a hub dataset's
-    download folder without the train files of the config ``config_name`` (all its shards), is an error naming it:
-    train.py checks before step 1 trains (step 3 read it after steps 1 and 2). A download's files are not read here
-    (allenai/c4's en/ is 1024 shards): step 3 reads them."""
+    download folder without the train files of the config ``config_name`` (or with an empty shard of them), is an
+    error naming it: train.py checks before step 1 trains (step 3 read it after steps 1 and 2). A download's files
+    are not read here (allenai/c4's en/ is 1024 shards): step 3 reads them."""
     from .local import _is_saved_dataset
 
     local = _local_text_source(name) if name and name != "tiny" else None
@@ -271,8 +271,9 @@ def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
 
 
 def download_train_files(name, folder, copy, flag="--unsupervised_dataset_name"):
-    """``downloaded_train``'s files, checked whole (``local._check_whole_split``: every shard there), not read."""
-    from .local import _check_whole_split, _hub_split_files
+    """``downloaded_train``'s files, checked (``local.check_download_splits``: some of its shards are read, and
+    said), not read."""
+    from .local import _hub_split_files, check_download_splits
 
     splits = _hub_split_files(folder)
     if "train" not in splits:
@@ -280,7 +281,7 @@ def download_train_files(name, folder, copy, flag="--unsupervised_dataset_name")
             "is neither a save_to_disk folder nor a download of a hub dataset's repository (no train split files there)"
         raise DatasetFormatError(f"{given_as(flag, name)}: {copy} {held}: download all its files (hf download "
                                  f"--repo-type dataset {name}), or give its train file as --unsupervised_dataset_name")
-    _check_whole_split(given_as(flag, name), "train", splits["train"])
+    check_download_splits(given_as(flag, name), splits, ["train"])
     return splits["train"]
 
 
