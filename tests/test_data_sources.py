@@ -2682,6 +2682,57 @@ def test_a_files_content_hash_is_kept_only_on_a_file_system_whose_change_time_a_
     assert hashes_in_new_processes() == 3
 
 
+def test_kept_content_hashes_of_files_gone_or_written_since_are_pruned_now_and_then(tmp_path, monkeypatch):
+    """The kept hashes (``<HF_DATASETS_CACHE>/dschat_file_sha256``) were never removed: one more for each data file
+    written or removed since. When one is written, at most once a day, those of a file gone or written since (another
+    stamp) are removed, and an entry naming no file (written before entries named it) 30 days old; live entries, and
+    an entry being written (a temp file), stay."""
+    import glob
+    import time
+
+    from dschat.data import local
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    folder = local._digest_memo_folder()
+
+    def kept(name, text):
+        path = tmp_path / name
+        path.write_text(text)
+        local.forget_file_digests()
+        local.file_digest(str(path))
+        st = os.stat(path)
+        return path, local._digest_memo_path(str(path), local._stat_stamp(st))
+
+    live, live_memo = kept("live.jsonl", "live")
+    gone, gone_memo = kept("gone.jsonl", "gone")
+    edited, edited_memo = kept("edited.jsonl", "edited")
+    gone.unlink()
+    edited.write_text("edited again")
+    os.makedirs(os.path.join(folder, "ab"), exist_ok=True)
+    unnamed_old, unnamed_new = (os.path.join(folder, "ab", name * 64) for name in "ab")
+    for memo in (unnamed_old, unnamed_new):
+        with open(memo, "w") as f:
+            f.write("0" * 64)  # (an entry of the digest alone)
+    writing = os.path.join(folder, "ab", "tmpq1w2e3.tmp")
+    with open(writing, "w") as f:
+        f.write("0" * 32)
+    month_ago = time.time() - 31 * 24 * 3600
+    os.utime(unnamed_old, (month_ago, month_ago))
+    # (pruned a day ago: the next entry written prunes)
+    os.utime(os.path.join(folder, local.PRUNED_MARK), (month_ago, month_ago))
+    _, new_memo = kept("new.jsonl", "new")
+    memos = set(glob.glob(os.path.join(folder, "*", "*")))
+    assert memos == {live_memo, new_memo, unnamed_new, writing}, memos
+    assert local._kept_digest(str(live), local._stat_stamp(os.stat(live))) is not None  # (still read)
+    # (pruned just now: not again until a day has passed)
+    live.unlink()
+    kept("newer.jsonl", "newer")
+    assert os.path.exists(live_memo)
+    local.prune_kept_digests(folder)
+    assert not os.path.exists(live_memo)
+
+
 def test_a_files_file_system_is_read_from_this_processs_mountinfo(tmp_path, monkeypatch):
     """The mounts' file systems by device (/proc/self/mountinfo's MAJOR:MINOR and the type after " - "); none where
     it cannot be read (no /proc: macOS), so nothing is kept there."""

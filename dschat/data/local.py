@@ -490,7 +490,7 @@ def _digest_of_open_file(f, path):
         if _stat_stamp(os.fstat(f.fileno())) != stamp:  # (what was read is of neither stamp)
             return digest
         if keeps and stamp[-1] < hashed_at - RACY_WINDOW_NS:
-            _keep_digest(_digest_memo_path(path, stamp), digest)
+            _keep_digest(path, stamp, digest)
     _DIGESTS[path, stamp] = digest
     return digest
 
@@ -554,21 +554,94 @@ def _kept_digest(path, stamp):
             kept = f.read()
     except (OSError, ValueError):  # (none kept; a cache folder not readable)
         return None
-    return kept if _SHA256_HEX.fullmatch(kept) else None
+    digest = kept.partition("\n")[0]  # (the file's path and stamp follow: ``_keep_digest``)
+    return digest if _SHA256_HEX.fullmatch(digest) else None
+
+
+def _digest_memo_folder():
+    import datasets
+
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, DIGEST_MEMO_FOLDER)
 
 
 def _digest_memo_path(path, stamp):
-    import datasets
-
     name = hashlib.sha256(repr((path, *stamp)).encode()).hexdigest()
-    return os.path.join(datasets.config.HF_DATASETS_CACHE, DIGEST_MEMO_FOLDER, name[:2], name)
+    return os.path.join(_digest_memo_folder(), name[:2], name)
 
 
-def _keep_digest(memo, digest):
-    """Written whole, with the mode a plain ``open`` gives (``atomic_file``: a reader never sees half of it, and the
-    other users of a shared cache read it); a cache folder not writable keeps nothing."""
-    with contextlib.suppress(OSError), atomic_file(memo) as f:
-        f.write(digest)
+def _keep_digest(path, stamp, digest):
+    """The digest of the file at ``path`` (absolute) under its ``stamp``, written whole, with the mode a plain ``open``
+    gives (``atomic_file``: a reader never sees half of it, and the other users of a shared cache read it), the path
+    and stamp after it (a line of JSON) for pruning to tell whether the file is still there as it was; then pruned now
+    and then (``_prune_now_and_then``). A cache folder not writable keeps nothing."""
+    with contextlib.suppress(OSError), atomic_file(_digest_memo_path(path, stamp)) as f:
+        f.write(f"{digest}\n{json.dumps([path, *stamp])}")
+    _prune_now_and_then(_digest_memo_folder())
+
+
+# The kept hashes are pruned (``prune_kept_digests``) when one is written, at most once every PRUNE_INTERVAL_S (by the
+# time of the file PRUNED_MARK): without it they were never removed, one more for each file written or removed since.
+# An entry that names no file (written before entries named it) is removed once UNNAMED_ENTRY_AGE_S old.
+PRUNE_INTERVAL_S, UNNAMED_ENTRY_AGE_S, PRUNED_MARK = 24 * 3600, 30 * 24 * 3600, "last_pruned"
+
+
+def _prune_now_and_then(folder):
+    """``prune_kept_digests(folder)`` where its PRUNED_MARK is missing or older than PRUNE_INTERVAL_S, touched first
+    (processes that find it due at once each prune: redundant, not unsafe). Another user's mark in a shared cache,
+    which this process cannot touch, leaves the pruning to that user."""
+    mark = os.path.join(folder, PRUNED_MARK)
+    with contextlib.suppress(OSError):
+        if time.time() - os.stat(mark).st_mtime < PRUNE_INTERVAL_S:
+            return
+    try:
+        with open(mark, "a"):
+            os.utime(mark)
+    except OSError:
+        return
+    prune_kept_digests(folder)
+
+
+def prune_kept_digests(folder):
+    """Remove the kept hashes in ``folder`` that no process will read again (``_stale_entry``). Safe beside processes
+    writing entries: an entry is a temp file until it is whole (``atomic_file``), and one rewritten while this runs is
+    of the same path and stamp, as stale or as live as before. An entry removed wrongly (a file this node cannot see,
+    in a cache shared with others) costs only a hash computed again."""
+    now = time.time()
+    buckets = [entry.path for entry in os.scandir(folder) if entry.is_dir()] if os.path.isdir(folder) else []
+    for bucket in buckets:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(bucket):
+                with contextlib.suppress(OSError):
+                    if _stale_entry(entry, now):
+                        os.unlink(entry.path)
+
+
+def _stale_entry(entry, now):
+    """Whether the kept hash ``entry`` (an os.DirEntry) is of a file gone, or written since (another stamp: the
+    device number aside, which a file of a shared NFS mount has another of on each node), or names no file and is
+    UNNAMED_ENTRY_AGE_S old; or is a temp file of a writer killed that long ago."""
+    old = now - entry.stat().st_mtime > UNNAMED_ENTRY_AGE_S
+    if not _SHA256_HEX.fullmatch(entry.name):
+        return old and entry.name.endswith(".tmp")  # (``atomic_file``'s)
+    named = _entry_file(entry.path)
+    if named is None:
+        return old
+    path, stamp = named
+    try:
+        now_stamp = _stat_stamp(os.stat(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    return now_stamp[1:] != stamp[1:]
+
+
+def _entry_file(memo):
+    """(path, stamp) that the kept hash ``memo`` was written for, else None (an entry written before they were)."""
+    try:
+        with open(memo, encoding="ascii") as f:
+            path, *stamp = json.loads(f.read().partition("\n")[2])
+    except (ValueError, TypeError):  # (not ASCII, no JSON, no list)
+        return None
+    return (path, tuple(stamp)) if isinstance(path, str) and len(stamp) == 5 else None
 
 
 def all_files(path):
