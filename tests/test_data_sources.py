@@ -2733,6 +2733,26 @@ def test_kept_content_hashes_of_files_gone_or_written_since_are_pruned_now_and_t
     assert not os.path.exists(live_memo)
 
 
+def test_the_ranks_of_a_node_hash_a_data_file_once(tmp_path):
+    """On a first run every rank hashed the same data files at once (c4's shards: ~300 GB, read whole by each), where
+    the hash one computes is kept for the others. They take turns now (a file lock per bucket of the kept hashes):
+    through the deepspeed launcher, 2 CPU ranks hashing one file at once hash it once, and both get its hash; rank 0
+    hashing a file alone after does not wait for the other rank."""
+    import hashlib
+    from pathlib import Path
+
+    from tests.launch import run_deepspeed
+
+    data, other = tmp_path / "train.jsonl", tmp_path / "other.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    other.write_text('{"prompt": "Hey?", "chosen": "Hello."}\n')
+    run_deepspeed(Path(__file__).parent / "scripts" / "hash_once.py", data, other, tmp_path, timeout=300)
+    hashed = sorted(line.split()[1] for line in (tmp_path / "hashed").read_text().splitlines())
+    assert hashed == ["other.jsonl", "train.jsonl"], hashed
+    digests = {(tmp_path / f"digest{rank}").read_text() for rank in (0, 1)}
+    assert digests == {hashlib.sha256(data.read_bytes()).hexdigest()}
+
+
 def test_a_files_file_system_is_read_from_this_processs_mountinfo(tmp_path, monkeypatch):
     """The mounts' file systems by device (/proc/self/mountinfo's MAJOR:MINOR and the type after " - "); none where
     it cannot be read (no /proc: macOS), so nothing is kept there."""

@@ -481,18 +481,45 @@ def _digest_of_open_file(f, path):
     (``DIGEST_MEMO_FOLDER``), so that a run's every process, and every later run, did not read the data whole again (a
     c4 config downloaded with --local-dir: ~300 GB each). A write sets the change time, which ``touch`` cannot set
     back: an edited file has another stamp, and is read. A file written while it was read keeps nothing, nor one on a
-    file system not known to keep a real change time (``_keeps_change_time``)."""
+    file system not known to keep a real change time (``_keeps_change_time``). Processes hashing the same file at once
+    (a node's ranks on a first run) take turns (``_hashing_lock``): the first hashes it, the others read its hash."""
     stamp = _stat_stamp(os.fstat(f.fileno()))
     keeps = _keeps_change_time(f.fileno())
     if (digest := _DIGESTS.get((path, stamp)) or (_kept_digest(path, stamp) if keeps else None)) is None:
-        hashed_at = time.time_ns()
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if _stat_stamp(os.fstat(f.fileno())) != stamp:  # (what was read is of neither stamp)
-            return digest
-        if keeps and stamp[-1] < hashed_at - RACY_WINDOW_NS:
-            _keep_digest(path, stamp, digest)
+        with _hashing_lock(path, stamp) if keeps else contextlib.nullcontext():
+            if (digest := _kept_digest(path, stamp) if keeps else None) is None:  # (kept while this one waited)
+                hashed_at = time.time_ns()
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                if _stat_stamp(os.fstat(f.fileno())) != stamp:  # (what was read is of neither stamp)
+                    return digest
+                if keeps and stamp[-1] < hashed_at - RACY_WINDOW_NS:
+                    _keep_digest(path, stamp, digest)
     _DIGESTS[path, stamp] = digest
     return digest
+
+
+@contextlib.contextmanager
+def _hashing_lock(path, stamp):
+    """Held while the file at ``path`` of ``stamp`` is hashed and its hash kept: every rank of a node hashed the same
+    files at once on a first run (c4's shards: ~300 GB each), where one would do and the others read its kept hash.
+    A file lock, not a collective: ranks need not hash the same files, nor in one order, nor have a process group; a
+    rank killed while holding it lets it go. One lock per bucket of the kept hashes (a 256th of them, by the entry's
+    name), a file beside the buckets (at most 256, never pruned). Where it cannot be taken (a cache folder not
+    writable, another user's lock file in a shared cache), none is: the process hashes the file itself."""
+    from filelock import FileLock
+
+    bucket = os.path.basename(os.path.dirname(_digest_memo_path(path, stamp)))
+    lock = FileLock(os.path.join(_digest_memo_folder(), f"{bucket}.lock"))
+    try:
+        os.makedirs(_digest_memo_folder(), exist_ok=True)
+        lock.acquire()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _stat_stamp(st):
