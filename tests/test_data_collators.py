@@ -699,8 +699,8 @@ def test_a_download_of_some_c4_shards_reads_those_and_says_how_many(tmp_path, mo
     # a shard cut short (truncated gzip) is its own error, naming it
     whole = (config / "c4-train.00003-of-01024.json.gz").read_bytes()
     (config / "c4-train.00003-of-01024.json.gz").write_bytes(whole[:len(whole) // 2])
-    with pytest.raises(DatasetFormatError, match=r"c4-train\.00003-of-01024\.json\.gz: could not be read as "
-                                                 r"compressed JSON"):
+    with pytest.raises(DatasetFormatError, match=r"c4-train\.00003-of-01024\.json\.gz: not readable as gzip "
+                                                 r"data.*a file cut short\?"):
         get_unsupervised_data(unsupervised_args("allenai/c4", unsupervised_dataset_config_name="en"), tokenizer)
 
 
