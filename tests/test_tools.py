@@ -1045,6 +1045,25 @@ def test_a_prompt_and_answer_past_a_learned_position_table_are_an_error_not_an_i
     assert len(generate_answers(model, tokenizer, ["Say hi."], {"max_new_tokens": 2, "do_sample": False})) == 1
 
 
+def test_the_tools_answer_an_rwkv_models_batch_as_each_prompt_alone(tokenizer):
+    """prompt_eval and chat (``generate_answers_and_cuts``) called HF's ``generate`` on the left-padded batch, not
+    step 3's ``hf_generate``: an RWKV model's recurrence reads no mask, and transformers' one-token decode step mixes a
+    batch's rows (``compat.rwkv_decode_keeps_rows_apart``), so a batch's answers were not each prompt's. Greedy, each
+    answer is now the prompt's alone (two prompts of one length, one longer)."""
+    from transformers import AutoModelForCausalLM, RwkvConfig
+
+    from dschat.tools.generation import generate_answers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(RwkvConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=64, bos_token_id=None, eos_token_id=None)).eval()
+    prompts = ["the cat sat", "the dog sat", "hello there, my friend, and more"]
+    assert len({len(tokenizer(p)["input_ids"]) for p in prompts}) == 2  # (two of one length, one longer)
+    alone = [generate_answers(model, tokenizer, [prompt], dict(GREEDY))[0] for prompt in prompts]
+    assert generate_answers(model, tokenizer, prompts, dict(GREEDY)) == alone
+
+
 def test_answers_end_at_any_eos_id_the_model_lists_and_a_saved_model_keeps_them(models, tmp_path):
     """Qwen2.5-Instruct and Llama-3-Instruct list a second EOS id in their generation_config: HF's generate stops on
     it, so the tools do, and loading for training (sync_special_tokens) keeps it after the tokenizer's EOS."""

@@ -5,7 +5,7 @@ from dschat.data.collators import pad_sequences
 from dschat.data.formatting import uses_chat_template
 from dschat.data.pipeline import tokenize_texts
 from dschat.models.loading import check_sequence_fits, stop_token_ids
-from dschat.rlhf.trainer import answer_mask, answer_texts, suppress_untokenized
+from dschat.rlhf.trainer import answer_mask, answer_texts, hf_generate, suppress_untokenized
 
 
 def encode_prompts(tokenizer, prompt_texts):
@@ -35,7 +35,8 @@ def decode_answers(tokenizer, answer_ids, stop_ids=None):
 def generate_answers(model, tokenizer, prompt_texts, generation_kwargs, batch_size=8):
     """One answer per formatted prompt, with HF ``generate`` stopping at the tokenizer's EOS (and the model's other
     EOS ids, ``stop_token_ids``), never choosing an id the tokenizer has no token for (``untokenized_ids``: it would
-    decode to nothing), as step 3's rollouts do."""
+    decode to nothing), as step 3's rollouts do: through their ``hf_generate`` (a family that left padding moves
+    generates without it, and RWKV's batched decode keeps its rows apart)."""
     return generate_answers_and_cuts(model, tokenizer, prompt_texts, generation_kwargs, batch_size)[0]
 
 
@@ -59,8 +60,9 @@ def generate_answers_and_cuts(model, tokenizer, prompt_texts, generation_kwargs,
         if new_tokens:  # past a learned position table, generate fails with an IndexError (a CUDA assert on GPUs)
             check_sequence_fits(model, ids.shape[1] + new_tokens,
                                 f"a prompt of {ids.shape[1]} tokens + --max_new_tokens {new_tokens}")
-        sequences = model.generate(ids, attention_mask=mask, eos_token_id=stop_ids,
-                                   pad_token_id=tokenizer.pad_token_id, **generation_kwargs)
+        # (step 3's path, not model.generate: an RWKV batch answered from padded, mixed rows otherwise)
+        sequences = hf_generate(model, tokenizer)(ids, attention_mask=mask, eos_token_id=stop_ids,
+                                                  pad_token_id=tokenizer.pad_token_id, **generation_kwargs)
         answers += decode_answers(tokenizer, sequences[:, ids.shape[1]:], stop_ids)
         cuts += unended(sequences[:, ids.shape[1]:], stop_ids)
     return answers, cuts
