@@ -278,6 +278,26 @@ def test_module_surgery_on_the_actor_after_the_engine_was_built_is_refused_at_th
         engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
 
 
+def test_module_surgery_then_train_without_generating_is_refused_when_the_train_phase_begins():
+    """Surgery was refused at eval() and generate alone: a loop that went on to train() without generating had
+    DeepSpeed's optimizer train the old parameter, silently. The train() that begins a train phase refuses it, naming
+    it, before the engine leaves eval mode; with the parameter put back, training goes on."""
+    model = tiny_model("llama", seed=26)
+    engine = _hybrid(make_ds_engine(model))
+    ids, mask = left_padded_batch([4, 6], seed=26)
+    engine.eval()
+    engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    weight = q_proj._parameters["weight"]
+    _assign_into_a_submodule(model)
+    with pytest.raises(RuntimeError, match=r"the actor's 'model\.layers\.0\.self_attn\.q_proj\.weight' is no longer"):
+        engine.train()
+    assert not model.training
+    q_proj._parameters["weight"] = weight
+    engine.train()
+    assert model.training
+
+
 def test_a_parameter_replaced_in_a_new_table_of_its_module_is_refused_and_the_new_table_alone_is_not():
     """DeepSpeed may put a new ``_parameters`` table in a module after the engine was built (ZeRO-3's
     ensure_zero_ordered_dict): the check read the table it had seen at the build, so a parameter replaced in the new

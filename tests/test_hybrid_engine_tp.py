@@ -56,17 +56,35 @@ def test_release_destroys_the_tensor_parallel_group_and_a_new_engine_works():
         assert f"rank {rank} release: OK" in proc.stdout and f"rank {rank} ALL OK" in proc.stdout
 
 
+@pytest.fixture(scope="module")
+def surgery_launch():
+    return launch_once(SCRIPT, "--surgery", timeout=300)
+
+
 @pytest.mark.multirank
-def test_surgery_on_one_rank_alone_stops_every_rank_of_the_group():
+def test_surgery_on_one_rank_alone_stops_every_rank_of_the_group(surgery_launch):
     """ZeRO-0 with inference_tp_size 2: a parameter replaced on rank 0 alone raised at rank 0's eval(), and rank 1
     waited in its generate's all-reduce for ever (or paired with rank 0's next generate). Both raise now, at generate,
     in the argument check's all-reduce; the timeout turns a hang into a failure. Where rank 0's arguments are refused
     in the same call, its error names the parameter too (rank 1's says that rank 0's does), the argument error its
     cause: it raised the argument error alone."""
-    proc = launched(launch_once(SCRIPT, "--surgery", timeout=300))
+    proc = launched(surgery_launch)
     for rank in (0, 1):
         for line in ("surgery with arguments refused on rank 0: named", "surgery on rank 0: refused",
                      "surgery undone: in step", "ALL OK"):
+            assert f"rank {rank} {line}" in proc.stdout, (rank, line, proc.stdout[-3000:])
+
+
+@pytest.mark.multirank
+def test_surgery_on_one_rank_then_train_without_generate_stops_every_rank_of_the_group(surgery_launch):
+    """The group met at generate alone: a parameter replaced on rank 0, then train() with no generate, was not
+    refused on either rank (DeepSpeed's optimizer went on training the old one on rank 0). The train() that begins a
+    train phase is a meeting of the group: both ranks refuse there, rank 0 naming the parameter. The same meeting
+    catches a generate on rank 0 alone, which paired with rank 1's next one and then waited while rank 1 trained."""
+    proc = launched(surgery_launch)
+    for rank in (0, 1):
+        for line in ("surgery before train(): refused by the group", "lone generate: out of step at train()",
+                     "ALL OK"):
             assert f"rank {rank} {line}" in proc.stdout, (rank, line, proc.stdout[-3000:])
 
 

@@ -19,9 +19,10 @@ next generation (``DSCHAT_CHECK_WEIGHTS=1``, a debugging aid, finds such writes 
 ``InferenceCopy._find_unmarked_writes``).
 A parameter replaced by another object is followed by neither DeepSpeed's optimizer nor the copy: ``load_state_dict``
 with ``assign=True`` is refused before it loads (``_RefusesAssignedLoad``), other module surgery
-(``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` (``ParameterPlaces``;
-in an inference tensor-parallel group under ZeRO 0-2 at ``generate`` alone, where the group meets: every rank of the
-group stops, ranks outside it are not told).
+(``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` or ``train()`` that
+begins a train phase (``ParameterPlaces``; in an inference tensor-parallel group under ZeRO 0-2 at ``generate`` and
+that ``train()`` alone, where the group meets: every rank of the group stops, ranks outside it are not told; under
+ZeRO-3 on several ranks not at ``train()``).
 Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` (which every rank calls together
 there): a copy stale on one rank (a load on rank 0 alone, inside ``GatheredParameters(modifier_rank=0)``) is refreshed
 on all, and surgery on one rank stops all. The fused projections (``fusion.py``) are rewritten at every generation
@@ -59,11 +60,12 @@ from dschat.utils.dist import print_beside_progress_bars
 
 # The engine's meetings of the ranks that generate together (a ZeRO-3 world, an inference tensor-parallel group), in
 # their order: eval(); generate()'s arguments, then its weight check (a tensor-parallel group without ZeRO-3 meets in
-# generate()'s arguments alone). Each rank says which one it is in (``_ranks_agree_on``), so a rank that called
-# generate() alone, whose collective would pair with another call of the others (their next eval(), say) and put the
-# ranks out of step, stops every rank with an error that says so. A lone eval() + generate() makes a rollout's meetings
-# and meets the others' next rollout: that is not caught (README).
-_MEETINGS = ("eval()", "generate()", "generate()'s weight check")
+# generate()'s arguments, and at the train() that begins a train phase: _refuse_surgery_before_training). Each rank
+# says which one it is in (``_ranks_agree_on``), so a rank that called generate() alone, whose collective would pair
+# with another call of the others (their next eval(), say) and put the ranks out of step, stops every rank with an
+# error that says so. A lone eval() + generate() makes a rollout's meetings and meets the others' next rollout: under
+# ZeRO-3 (and within a group's train phase) that is not caught (README).
+_MEETINGS = ("eval()", "generate()", "generate()'s weight check", "train()")
 
 # the most flags a meeting agrees on: the weight check's (copy fresh, parameters in place); generate()'s arguments in a
 # tensor-parallel group without ZeRO-3 (arguments accepted, parameters in place)
@@ -85,7 +87,8 @@ def _ranks_agree_on(meeting, flags, device, group=None):
         other = _MEETINGS[(highest if lowest == code else lowest) - 1]
         raise RuntimeError(f"hybrid engine: the ranks are out of step: this rank is in {meeting} while another is in "
                            f"{other}. Under ZeRO-3 on several ranks (and in an inference tensor-parallel group) eval() "
-                           "and generate() (engine.module.generate too) are collectives: every rank calls them "
+                           "and generate() (engine.module.generate too) are collectives, and in such a group under "
+                           "ZeRO 0-2 so is the train() that begins a train phase: every rank calls them "
                            "together, in the same order, each with its own prompts. A call on some ranks alone (a "
                            "sample generated under `if rank == 0:`) pairs with the other ranks' next call, or waits "
                            "for ever where they make none: generate on every rank, print on rank 0")
@@ -194,7 +197,7 @@ class HybridEngine:
         _wrappers_of(ds_engine).add(self)
         self.route_module_generate()
         self._load_hooks = _watch_loads(ds_engine.module, self)
-        # where the actor's parameters sit, checked at each eval()/generate: model surgery since is refused
+        # where the actor's parameters sit, checked at each eval()/generate and train phase: surgery since is refused
         self._parameter_places = ParameterPlaces(ds_engine.module)
         released_as(ds_engine, self)  # (a step run's, or a notebook engine's failed build's, released_engines block)
 
@@ -332,16 +335,39 @@ class HybridEngine:
         """Enter training mode. A train phase lasts until the next ``eval()`` (or ``train(False)``, or a generation):
         DeepSpeed-Chat-style trainers call ``train()`` before every PPO micro-batch, and those calls continue the
         phase, so the iteration's training time is all of its training (DeepSpeed's hybrid engine adds it up in
-        ``step()``)."""
+        ``step()``). The train() that begins a phase refuses module surgery (``_refuse_surgery_before_training``)."""
+        begins_phase = mode and self._train_start is None
+        if begins_phase:
+            self._refuse_surgery_before_training()
         self._engine.train(mode)
         now = time.perf_counter()
         if not mode:
             self._end_train_phase(now)
-        elif self._train_start is None:
+        elif begins_phase:
             self._train_start = now
             if self._iteration is not None:
                 self._iteration.trained = True
         return self
+
+    def _refuse_surgery_before_training(self):
+        """A parameter of the actor replaced since the engine was built (``ParameterPlaces``) is refused before a train
+        phase as at eval() and generate: a loop that trains without generating would have DeepSpeed's optimizer train
+        the old parameters. In an inference tensor-parallel group under ZeRO 0-2 the group agrees on it first, in one
+        small all-reduce of the group once per train phase (not per micro-batch: DeepSpeed-Chat calls train() before
+        each), so a replacement on one rank stops every rank of the group; a refusal on that rank alone would leave
+        the others in the gradient all-reduce (the train path's only collective, in DeepSpeed's own buckets: nothing
+        can ride it). Under ZeRO-3 on several ranks train() meets no other rank: not checked here (eval() and
+        generate agree on it over the world); nor once released (the group is gone)."""
+        if _zero3_world(self._engine) or is_released(self):
+            return
+        replaced = self._parameter_places.replaced()
+        in_place = True
+        if self.tp is not None:
+            in_place, = _ranks_agree_on("train()", [replaced is None], self._engine.device, self.tp.group)
+        if replaced is not None:
+            _refuse_replaced(replaced)
+        if not in_place:
+            _refuse_replaced(None)
 
     def _end_train_phase(self, now):
         if self._train_start is not None and self._iteration is not None:
@@ -435,9 +461,9 @@ class HybridEngine:
             replaced = self._parameter_places.replaced()
             if replaced is not None:
                 _refuse_replaced(replaced)
-        # (a tensor-parallel group without ZeRO-3 meets in generate()'s argument check alone, which carries the
-        # surgery check: _failing_together. Its eval() has no collective, so a refusal there would stop one rank and
-        # leave the others waiting in their generate)
+        # (a tensor-parallel group without ZeRO-3 meets in generate()'s argument check, which carries the surgery
+        # check: _failing_together, and at the train() that begins a train phase. Its eval() has no collective, so a
+        # refusal there would stop one rank and leave the others waiting in their generate)
         start = time.perf_counter()
         if self.inference_weights.refresh_if_stale():
             _synchronize()  # copies are asynchronous on accelerators; time them fully

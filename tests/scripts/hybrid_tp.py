@@ -17,7 +17,8 @@ Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (s
 (the launcher and the ranks' start take ~20 s each time):  hybrid_tp.py --runs 0:llama,opt 3:llama
 With ``--release``, first: releasing an engine destroys its group's process group, and an engine built afterwards works.
 With ``--surgery``: a parameter replaced on rank 0 alone stops both ranks' generate, rank 0's error naming it (also
-where rank 0's arguments are refused in the same call).
+where rank 0's arguments are refused in the same call), and both ranks' train() with no generate before it; a generate
+on rank 0 alone is caught at rank 1's next train().
 With ``--recurrent-gemma``: RecurrentGemma's rows of each prompt length generate together across the group, as alone.
 """
 import argparse
@@ -31,7 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_common import (PAD, answer_logprobs_and_live, check_refresh_after_step,  # noqa: E402
                            check_surgery_on_rank_0_refused, ds_config, early_token, hf_generate, make_ds_engine,
-                           tiny_model)
+                           tiny_model, train_step)
 from hybrid_zero3 import build_zero3_actor, rank_prompts  # noqa: E402
 
 MAX_NEW = 20
@@ -392,6 +393,40 @@ def check_surgery_on_rank_0_alone_stops_the_group(rank):
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
     assert torch.equal(got, expected), (rank, got, expected)
     print(f"rank {rank} surgery undone: in step", flush=True)
+    check_surgery_before_training_stops_the_group(engine, o_proj, got, rank)
+    check_lone_generate_meets_the_others_train(engine, ids, mask, rank)
+
+
+def check_surgery_before_training_stops_the_group(engine, o_proj, sequences, rank):
+    """The same replacement on rank 0 alone, then train() with no generate: the group met at generate alone, so rank 0
+    trained (DeepSpeed's optimizer on the old parameter) while rank 1 did not know. The train() that begins a train
+    phase is a meeting of the group now: both ranks refuse there; put back, both train in step."""
+    weight = o_proj._parameters["weight"]
+    if rank == 0:
+        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
+    check_surgery_on_rank_0_refused(rank, engine.train)
+    o_proj._parameters["weight"] = weight
+    train_step(engine, sequences)
+    print(f"rank {rank} surgery before train(): refused by the group", flush=True)
+
+
+def check_lone_generate_meets_the_others_train(engine, ids, mask, rank):
+    """A sample generated on rank 0 alone between iterations (``if rank == 0:`` eval() + generate) pairs with rank
+    1's next generate, and rank 0's own next generate met nothing of rank 1's until rank 1's gradient all-reduce: a
+    hang. Rank 1's train() meets it now: both ranks stop, each saying which call it is in."""
+    if rank == 0:
+        engine.eval()
+        engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+    mine = "generate()" if rank == 0 else "train()"
+    try:
+        engine.eval()
+        engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
+        engine.train()
+    except RuntimeError as error:
+        assert f"out of step: this rank is in {mine} while another" in str(error), (rank, error)
+    else:
+        raise AssertionError(f"rank {rank}: a generate on rank 0 alone was not caught")
+    print(f"rank {rank} lone generate: out of step at train()", flush=True)
 
 
 def check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank):
