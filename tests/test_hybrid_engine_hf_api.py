@@ -374,6 +374,52 @@ def test_in_a_tensor_parallel_group_the_rank_with_a_replaced_parameter_names_it_
             pass
 
 
+def test_in_a_tensor_parallel_group_the_train_phase_begins_with_one_meeting_of_the_group_on_module_surgery(
+        monkeypatch):
+    """ZeRO 0-2, a tensor-parallel group: the train() that begins a train phase asks the group (not the world: groups
+    train apart until their gradient all-reduce) whether every rank's parameters are in place, once per phase and not
+    at the train() before each micro-batch. A rank whose parameters are in place raises that another rank's was
+    replaced; under ZeRO-3 on several ranks, or once released, train() meets nobody (the group is simulated: one
+    process)."""
+    from types import SimpleNamespace
+
+    from dschat.hybrid_engine import engine as hybrid
+
+    asked = []
+
+    def ranks_agree_on(meeting, flags, device, group):  # another rank's parameter was replaced
+        asked.append((meeting, tuple(flags), group))
+        return [False]
+
+    monkeypatch.setattr(hybrid, "_world_size", lambda: 2)
+    monkeypatch.setattr(hybrid, "_ranks_agree_on", ranks_agree_on)
+    monkeypatch.setattr(hybrid, "is_released", lambda engine: engine.released)
+
+    def rank(stage, released=False):
+        modes = []
+        fake = SimpleNamespace(tp=SimpleNamespace(group="the tp group"), released=released, modes=modes,
+                               _engine=SimpleNamespace(zero_optimization_stage=lambda: stage, device="cpu",
+                                                       train=modes.append),
+                               _parameter_places=SimpleNamespace(replaced=lambda: None),
+                               _train_start=None, _iteration=None)
+        fake._refuse_surgery_before_training = lambda: hybrid.HybridEngine._refuse_surgery_before_training(fake)
+        return fake
+
+    fake = rank(2)
+    with pytest.raises(RuntimeError, match=r"on another rank, a parameter of the actor \(its error names it\)"):
+        hybrid.HybridEngine.train(fake)
+    assert asked == [("train()", (True,), "the tp group")] and fake.modes == []  # (refused before training mode)
+    monkeypatch.setattr(hybrid, "_ranks_agree_on", lambda *args: asked.append(args) or [True])
+    for _ in range(3):  # one phase: DeepSpeed-Chat's train() before each micro-batch
+        hybrid.HybridEngine.train(fake)
+    assert len(asked) == 2 and fake.modes == [True] * 3
+    asked.clear()
+    for fake in (rank(3), rank(2, released=True)):
+        hybrid.HybridEngine.train(fake)
+        assert fake.modes == [True]
+    assert asked == []
+
+
 def test_gpt_neo_local_attention_generates_as_hf_within_its_window_and_is_refused_past_it():
     # GPT-Neo's local layers take their window from the causal table's rows at the cache's length, not at the token's
     # position: a static cache longer than window_size gave other tokens than HF's generate, silently
