@@ -206,15 +206,18 @@ def resumed_checkpoint(step, steps, recipe, folder, checkpoint, flags, why):
     ``why``, checked as the step's own --resume checks it (``older_checkpoint``, ``refuse_other_bound_flags``): but an
     older dschat's that a change since reaches by the families of the models the step loads (``flags``) trains afresh,
     saying so: resumed, its output would record that older version (``recorded_step_version``) and train again at the
-    next --resume."""
+    next --resume. Another older one resumes, said: its output records this dschat's version, kept by the next
+    --resume."""
     families = loaded_model_types(flags)
     older = older_checkpoint(step, steps, recipe, folder, families)
     name = step_name(recipe, step)
-    reaching = family_changes_reaching((checkpoint or {}).get(STEP_VERSION), name, families) if older else []
+    then = (checkpoint or {}).get(STEP_VERSION)
+    reaching = family_changes_reaching(then, name, families) if older else []
     if reaching:
         changed = set().union(*(STEP_VERSION_CHANGES[(name, version)].model_types for version in reaching))
+        said = f"{STEP_VERSION} {then} of {name}" if then is not None else f"no {STEP_VERSION} of {name}"
         return Decision(FRESH, f"its last checkpoint in {os.path.join(folder, CHECKPOINTS_DIR)} is an older dschat's "
-                               f"({STEP_VERSION} {checkpoint[STEP_VERSION]} of {name}, {STEP_VERSIONS[name]} now), "
+                               f"({said}, {STEP_VERSIONS[name]} now), "
                                f"whose step version {' and '.join(map(str, reaching))} changed how models of "
                                f"{', '.join(sorted(families & changed))} train: resumed, its output would train again "
                                "at the next --resume")

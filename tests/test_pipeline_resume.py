@@ -355,6 +355,14 @@ def test_an_older_dschats_checkpoint_trains_afresh_where_a_change_reaches_its_mo
                                         f"dschat's (step_version {before} of step2, {before + 1} now), whose step "
                                         f"version {before + 1} changed how models of rwkv train: resumed, its output "
                                         "would train again at the next --resume")
+    # one that recorded no version (before checkpoints did): every change since reached it, the RWKV one too
+    state_file.write_text(json.dumps({key: value for key, value in this_checkpoint(2).items() if key != STEP_VERSION}))
+    assert step_2_of("opt").action == RESUME  # (with the note: a change of every family's since reached it)
+    assert step_2_of("rwkv") == (FRESH, f"its last checkpoint in {tmp_path / FOLDERS[2] / 'checkpoints'} is an older "
+                                        f"dschat's (no step_version of step2, {before + 1} now), whose step version "
+                                        f"{before + 1} changed how models of rwkv train: resumed, its output would "
+                                        "train again at the next --resume")
+    state_file.write_text(json.dumps({**this_checkpoint(2), STEP_VERSION: before}))
     # the step's own --resume says the same of it (its run's models: ``loaded_model_types``)
     from dschat.steps.common import loaded_model_types
     from dschat.utils.checkpoints import older_dschats_checkpoint

@@ -2239,30 +2239,69 @@ def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_r
     assert models == []
 
 
-def test_an_output_resumed_from_an_older_dschats_checkpoint_records_that_version(tmp_path, distributed):
-    """A step resumed from an older dschat's checkpoint (said, and resumed all the same) recorded this dschat's
-    STEP_VERSION in its output and later checkpoints, though its training up to the checkpoint was the older step's:
-    train.py --resume then kept the output as this dschat's, also where a change since reaches it (an RWKV reward
-    model whose weights the old width probe left divided trained on from them). The output and the checkpoints the
-    resumed run saves record the checkpoint's version (none where it recorded none); a run of this dschat's
-    checkpoint records this dschat's."""
+def test_a_step_resumed_from_an_older_dschats_checkpoint_is_skipped_by_the_next_train_py_resume(tmp_path, distributed,
+                                                                                              monkeypatch, capsys):
+    """train.py --resume resumed an interrupted step from a checkpoint of an older dschat (or one that recorded no step
+    version), saying so, and the step's output recorded the checkpoint's version (null where it had none): the next
+    train.py --resume took that finished output as an older dschat's and trained the step again, throwing away the run
+    it had just resumed. Resumed once, the step is skipped like any finished output of this dschat."""
+    from dschat.args import step2_parser
+    from dschat.pipeline_resume import RESUME, SKIP, plan_steps
     from dschat.steps.common import STEP_VERSION, STEP_VERSIONS
 
-    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
+    out = tmp_path / "out"
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(out / "step2_rm"),
               "--save_interval", "2"]
-    root, now = tmp_path / "rm" / "checkpoints", STEP_VERSIONS["step2"]
+    longer = [*common, "--max_steps", "4"]
+    root = out / "step2_rm" / "checkpoints"
 
-    def recorded_after_resuming(version):
+    def plan():
+        flags = step2_parser().parse_args(longer)
+        return plan_steps([2], "ppo", str(out), {2: flags}, rm_from_sft=False, world_size=1)[2]
+
+    def resumed_then_planned(version):
         reward.main([*common, "--max_steps", "2"])
+        (out / "step2_rm" / "metrics.json").unlink()  # (killed after its checkpoint at step 2)
         _set_step_version(root, "step_0000002", version)
-        reward.main([*common, "--max_steps", "4", "--resume"])
-        output = json.loads((tmp_path / "rm" / "training_args.json").read_text())
-        state = json.loads((root / "trainer" / "step_0000004" / "state.json").read_text())
-        return output.get(STEP_VERSION), state.get(STEP_VERSION)
+        resumed = plan()
+        assert resumed.action == RESUME and "resumed all the same" in resumed.why
+        capsys.readouterr()
+        reward.main([*longer, "--resume"])
+        assert "resumed all the same" in capsys.readouterr().out
+        assert json.loads((out / "step2_rm" / "training_args.json").read_text())[STEP_VERSION] == \
+            STEP_VERSIONS["step2"]
+        return plan()
 
-    assert recorded_after_resuming(now - 1) == (now - 1, now - 1)
-    assert recorded_after_resuming(None) == (None, None)
-    assert recorded_after_resuming(now) == (now, now)
+    assert resumed_then_planned(None) == (SKIP, "")
+    # a change since that reaches every output (a version with no STEP_VERSION_CHANGES entry)
+    monkeypatch.setitem(STEP_VERSIONS, "step2", STEP_VERSIONS["step2"] + 1)
+    assert resumed_then_planned(STEP_VERSIONS["step2"] - 1) == (SKIP, "")
+
+
+def test_an_output_resumed_from_a_checkpoint_a_change_of_its_models_families_reaches_records_its_version(tmp_path):
+    """The one resumed output that records its checkpoint's version (None: none): where a change since of some
+    families alone reaches the models its run loads (an RWKV model's saves), which train.py --resume's plan trains
+    afresh at once; a step's own --resume resumes it, saying so, and train.py --resume trains its output again."""
+    from argparse import Namespace
+
+    from dschat.steps.common import STEP_VERSION, STEP_VERSIONS, keep_resumed_inputs, recorded_step_version
+
+    now = STEP_VERSIONS["step2"]
+    model = tmp_path / "model"
+    model.mkdir()
+
+    def recorded(model_type, position):
+        (model / "config.json").write_text(json.dumps({"model_type": model_type}))
+        args = Namespace(model_name_or_path=str(model))
+        keep_resumed_inputs(args, position)
+        return recorded_step_version(args, "step2")
+
+    assert recorded("rwkv", {STEP_VERSION: now - 1}) == now - 1
+    assert recorded("rwkv", {}) is None  # (a checkpoint from before they recorded it)
+    assert recorded("rwkv", {STEP_VERSION: now}) == now
+    assert recorded("rwkv", None) == now  # (no resume)
+    assert recorded("opt", {STEP_VERSION: now - 1}) == now
+    assert recorded("opt", {}) == now
 
 
 def _grpo_trainer_saving_checkpoints(tmp_path):
@@ -2287,12 +2326,17 @@ def _grpo_trainer_saving_checkpoints(tmp_path):
 
 def test_a_step3_checkpoint_saved_after_resuming_an_older_dschats_records_that_version(tmp_path):
     """Step 3 alike: a checkpoint its run saves after resuming an older dschat's (``resume_or_afresh`` keeps the
-    resumed position's version) records that version, so a later resume and its output are judged by it."""
+    resumed position's version) that a change of its models' families reaches (an RWKV actor) records that version,
+    so a later resume and its output are judged by it; one of a family no change reaches records this dschat's."""
     from dschat.rlhf import checkpointing
     from dschat.steps.common import STEP_VERSION, STEP_VERSIONS, keep_resumed_inputs
 
     trainer = _grpo_trainer_saving_checkpoints(tmp_path)
     args = trainer.args
+    family = tmp_path / "model"
+    family.mkdir()
+    (family / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
+    args.actor_model_name_or_path = args.critic_model_name_or_path = str(family)
 
     def saved_after_resuming(position, iteration):
         keep_resumed_inputs(args, position)
@@ -2306,6 +2350,8 @@ def test_a_step3_checkpoint_saved_after_resuming_an_older_dschats_records_that_v
     assert saved_after_resuming({"iteration": 2}, 6) is None  # (a checkpoint from before they recorded it)
     assert saved_after_resuming({"iteration": 2, STEP_VERSION: now}, 8) == now
     assert saved_after_resuming(None, 10) == now  # (no resume)
+    (family / "config.json").write_text(json.dumps({"model_type": "opt"}))
+    assert saved_after_resuming({"iteration": 2, STEP_VERSION: now - 1}, 12) == now
 
 
 def test_a_step3_checkpoint_holds_an_rwkv_actors_weights_as_trained_after_it_only_generated(tmp_path):

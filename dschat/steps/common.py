@@ -599,13 +599,14 @@ def _unversioned(made, where, null):
 
 
 def family_changes_reaching(then, name, families):
-    """The versions of step ``name`` after ``then`` (an older dschat's checkpoint's) whose change of some families
+    """The versions of step ``name`` after ``then`` (an older dschat's checkpoint's; None: one from before checkpoints
+    recorded the step's version, which every version's change since the first reached) whose change of some families
     alone (``VersionChange.model_types``) reaches a model of ``families`` (known: those the run resuming it loads,
     ``loaded_model_types``): the output of that run would record ``then`` (``recorded_step_version``) and train again
-    at the next train.py --resume. [] where none does, or ``then`` or ``families`` is unknown."""
-    if families is None or type(then) is not int:
+    at the next train.py --resume. [] where none does, or ``families`` is unknown, or ``then`` is no version."""
+    if families is None or then is not None and type(then) is not int:
         return []
-    reached = version_changes_since(then, name, None, families=families)[0]
+    reached = version_changes_since(0 if then is None else then, name, None, families=families)[0]
     return [version for version in reached
             if getattr(STEP_VERSION_CHANGES.get((name, version)), "model_types", None) is not None]
 
@@ -794,15 +795,20 @@ def keep_resumed_inputs(args, position):
 
 
 def recorded_step_version(args, name):
-    """The STEP_VERSION an output or checkpoint of step ``name`` (its run's ``args``) records: this dschat's, but for a
-    run resumed from an older dschat's checkpoint, which resumes (said), that checkpoint's (None where it recorded
-    none): the training up to it was that dschat's, so train.py --resume judges the output by the changes since
-    (``older_step_version``), not as this dschat's. (A newer dschat's checkpoint is refused at the resume.)"""
+    """The STEP_VERSION an output or checkpoint of step ``name`` (its run's ``args``) records: this dschat's, also for
+    a run resumed from an older dschat's checkpoint (or one that recorded none), which its resume took on, saying so,
+    as train.py --resume's plan did: recording the checkpoint's version left its finished output to train again at the
+    next train.py --resume. But where a change since of some families alone reaches the models this run loads
+    (``family_changes_reaching``), that checkpoint's (None where it recorded none): such an output is known to have
+    trained otherwise, and train.py --resume trains it again (its plan trains such a checkpoint afresh at once; a
+    step's own --resume resumes it, saying so). (A newer dschat's checkpoint is refused at the resume.)"""
     now = STEP_VERSIONS[name]
     if not getattr(args, "_resumed", False):
         return now
     then = args._resumed_version
-    return None if then is None else min(then, now)
+    if then != now and family_changes_reaching(then, name, loaded_model_types(args)):
+        return then
+    return now
 
 
 LEGACY_FILES_IDENTITY = "files:"  # (a model_identity recorded before the tokenizer files counted)

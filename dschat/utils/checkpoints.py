@@ -219,8 +219,9 @@ def check_same_step(root, tag, step):
 def say_an_older_dschats_checkpoint(root, tag, step, families=None):
     """--resume of checkpoint ``tag`` of ``step`` (rank 0's, once): one saved by an older dschat, whose trainer state
     records an older step version than this dschat's (``STEP_VERSION``), or none (saved before checkpoints recorded
-    it), is resumed, said in one line, as its step may have trained otherwise until there (its output then records that
-    version, ``recorded_step_version``), unless no change since reaches the families of its models (``families``:
+    it), is resumed, said in one line, as its step may have trained otherwise until there (its output then records this
+    dschat's version, or the checkpoint's where a change of its models' families reaches it,
+    ``recorded_step_version``), unless no change since reaches the families of its models (``families``:
     those the run loads, ``loaded_model_types``; None: unknown); one of a newer dschat is a UsageError naming its
     state.json (``older_dschats_checkpoint``)."""
     older = older_dschats_checkpoint(root, tag, step, families=families)
