@@ -661,6 +661,40 @@ def test_paths_are_compared_as_the_folders_they_name_and_a_moved_run_folder_keep
     assert plan_steps([1, 2], "ppo", str(out), {1: given, 2: step2}) == {1: (SKIP, ""), 2: (SKIP, "")}
 
 
+def test_a_step3_resumed_after_its_run_folder_moved_and_step_2_trained_again_records_the_critic_it_started_from(
+        tmp_path):
+    """A step 3 interrupted, its run folder moved (or copied), step 2 trained again there, then step 3 resumed by its own --resume
+    (its critic and reward model are not bound to the checkpoint) recorded step 2's folder under both run ids: the
+    old one at the old path, the new one at the new path, as a model new to the run. train.py --resume then kept step 3
+    as made from the present step 2, which it trains again where the folder did not move (``keep_resumed_inputs``).
+    The moved folder is recorded once, at its path now, under the run the checkpoint started from."""
+    from dschat.steps.common import input_runs, keep_resumed_inputs
+
+    def resumed_in(run_folder, moved_from=None):
+        finish(run_folder, 1, 100, ("a", [])), finish(run_folder, 2, 200, ("b", ["a"]))
+        started = {str((moved_from or run_folder) / FOLDERS[step]): run for step, run in ((1, "a"), (2, "b"))}
+        finish(run_folder, 2, 300, ("b2", ["a"]))  # trained again, in its folder now
+        args = Namespace(**{**vars(FLAGS), "actor_model_name_or_path": str(run_folder / FOLDERS[1]),
+                            "critic_model_name_or_path": str(run_folder / FOLDERS[2]),
+                            "reward_model_name_or_path": None, "advantage_estimator": "gae",
+                            "reward_model_weight": 1.0})
+        keep_resumed_inputs(args, {"iteration": 1, "inputs": started})
+        inputs = input_runs(args)
+        finish(run_folder, 3, 400, ("c", []))
+        record = json.loads((run_folder / FOLDERS[3] / "training_args.json").read_text())
+        (run_folder / FOLDERS[3] / "training_args.json").write_text(json.dumps({**record, "inputs": inputs}))
+        return inputs, plan_steps([1, 2, 3], "ppo", str(run_folder), {1: FLAGS, 2: FLAGS, 3: FLAGS})[3].action
+
+    stayed = tmp_path / "stayed"
+    assert resumed_in(stayed) == ({str(stayed / FOLDERS[1]): "a", str(stayed / FOLDERS[2]): "b"}, FRESH)
+    moved = tmp_path / "moved"
+    assert resumed_in(moved, moved_from=tmp_path / "gone") == (
+        {str(moved / FOLDERS[1]): "a", str(moved / FOLDERS[2]): "b"}, FRESH)
+    copied = tmp_path / "copied"  # (from the run folder that stayed, whose step 2 is its own)
+    assert resumed_in(copied, moved_from=stayed) == ({str(copied / FOLDERS[1]): "a", str(copied / FOLDERS[2]): "b"},
+                                                     FRESH)
+
+
 def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tmp_path, distributed, monkeypatch,
                                                                               capsys):
     from dschat.steps import ppo

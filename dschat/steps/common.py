@@ -777,9 +777,34 @@ def input_runs(args):
     if started is None:
         return runs
     # (the checkpoint's run's models, a moved folder's by its path now; a model new to this run, at a path the
-    # checkpoint's did not load; not a folder that holds another model than the checkpoint's run loaded from it)
-    return {**{path: run for path, run in started.items() if run not in runs.values()},
-            **{path: run for path, run in runs.items() if run in started.values() or path not in started}}
+    # checkpoint's did not load; not a folder that holds another model than the checkpoint's run loaded from it,
+    # moved or not)
+    kept = {path_now: started[path] for path, path_now in _resumed_paths_now(started, runs).items()}
+    return {**kept, **{path: run for path, run in runs.items() if path not in kept and path not in started}}
+
+
+def _resumed_paths_now(started, runs):
+    """{path: its path now} of the model folders a resumed checkpoint's run loaded (``started``: {path: run id}), by
+    the models this run loads (``runs``, ``input_runs``): a folder that holds the same run is where it is loaded now
+    (the run folder moved or copied); one whose sibling folders moved so is where they moved to, where this run loads
+    a model there (the run folder moved or copied, then its step trained again in it: the same folder, another model,
+    recorded under the run the checkpoint started from, not beside it under the new one's id); else where it was."""
+    loaded_at = {run: path for path, run in runs.items()}
+    moved = {path: loaded_at[run] for path, run in started.items() if run in loaded_at}
+    parents = {}
+    for path, path_now in moved.items():
+        parents.setdefault(os.path.dirname(path), set()).add(os.path.dirname(path_now))
+    # (the one folder each recorded parent moved to, where its moved folders agree)
+    parent_now = {parent: now.pop() for parent, now in parents.items() if len(now) == 1}
+
+    def now(path):
+        if path in moved:
+            return moved[path]
+        parent = parent_now.get(os.path.dirname(path))
+        beside = parent and os.path.join(parent, os.path.basename(path))
+        return beside if beside in runs else path
+
+    return {path: now(path) for path in started}
 
 
 def keep_resumed_inputs(args, position):
