@@ -4962,6 +4962,75 @@ def test_rwkv_rows_of_one_prompt_length_generate_together_where_its_decode_keeps
     assert torch.equal(seq[:, :5], ids) and torch.equal(seq[:, 5:], torch.stack(alone))
 
 
+def _tiny_deepseek_v4_actor():
+    """DeepSeek-V4 whose compressed sparse attention pools every 4 tokens and whose indexer picks 2 of the pools, with
+    a sliding window of 16: all reached by 20 tokens."""
+    from transformers import AutoModelForCausalLM, DeepseekV4Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DeepseekV4Config(
+        vocab_size=96, hidden_size=64, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
+        n_shared_experts=1, sliding_window=16, max_position_embeddings=256, qk_rope_head_dim=8, index_n_heads=4,
+        index_head_dim=16, index_topk=2, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"], bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+def _tiny_recurrent_gemma_actor():
+    """RecurrentGemma whose attention layer's window is 16 tokens (its head untied: tied, the tiny model answered each
+    prompt with its last token over and over)."""
+    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16, tie_word_embeddings=False,
+        block_types=["recurrent", "attention"], pad_token_id=None, bos_token_id=None, eos_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("family", ["recurrent_gemma", "deepseek_v4"])
+def test_rows_of_one_prompt_length_generate_together_where_the_batched_decode_keeps_them_apart(monkeypatch, family):
+    """RecurrentGemma's and DeepSeek-V4's batched decodes keep unpadded rows apart in transformers, yet HF generate
+    took their left-padded prompts one call per row, as RWKV's (whose decode mixed rows). Their rows of one prompt
+    length now generate together: 3 calls for prompts of 12, 3, 1, 3 and 12 tokens (past the attention windows and
+    DeepSeek-V4's pooling), each row's answer its prompt's alone, greedy, one row of a pair meeting EOS mid-way."""
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    from hybrid_common import left_padded_batch
+
+    from dschat.rlhf.trainer import from_fresh_module_states, hf_generate
+
+    model = _tiny_recurrent_gemma_actor() if family == "recurrent_gemma" else _tiny_deepseek_v4_actor()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    lengths = [12, 3, 1, 3, 12]
+    ids, mask = left_padded_batch(lengths, seed=1)
+    width, call = ids.shape[1], dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+    def alone(row, **kwargs):  # (RecurrentGemma's states kept in its modules set up afresh, as hf_generate does)
+        prompt = ids[row:row + 1, width - lengths[row]:]
+        return from_fresh_module_states(model, model.generate, prompt, attention_mask=torch.ones_like(prompt),
+                                        **call, **kwargs)[0, lengths[row]:]
+
+    with torch.no_grad():
+        ends, partner = alone(1).tolist(), alone(3).tolist()
+        # (EOS: a token of row 1's answer after its first, not before it and not in row 3's, of its prompt length)
+        stop = next(k for k, token in enumerate(ends) if k and token not in ends[:k] + partner)
+        answers = [alone(row, eos_token_id=ends[stop]) for row in range(len(lengths))]
+        assert len(answers[1]) == stop + 1 < 8 and len(answers[3]) == 8
+        batches, generate = [], model.generate
+        monkeypatch.setattr(model, "generate", lambda input_ids, **kw: batches.append(len(input_ids)) or
+                            generate(input_ids, **kw))
+        seq = hf_generate(model, tokenizer)(ids, attention_mask=mask, eos_token_id=ends[stop], **call)
+    assert sorted(batches) == [1, 2, 2]
+    assert torch.equal(seq[:, :width], ids)
+    for row, answer in enumerate(answers):
+        assert torch.equal(seq[row, width:width + len(answer)], answer), row
+        assert (seq[row, width + len(answer):] == 0).all(), row
+
+
 def test_the_flags_of_logs_and_evaluation_leave_step3s_weights_bit_for_bit(trained, tmp_path):
     """``pipeline_resume.LOG_EVAL_FLAGS``: train.py --resume skips a finished step 3 given other values of them alone,
     as they cannot change its weights. Measured with the hybrid engine and the actor's and critic's dropout on (a draw

@@ -308,14 +308,24 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     return seq
 
 
+# ``LEFT_PADDING_MOVES_SCORES`` families whose batched decode in transformers keeps unpadded rows apart as it is:
+# greedy tokens of rows of one prompt length together equal each row's alone (transformers 5.25, tiny models, prompts
+# of 1 to 20 tokens, past the attention windows and DeepSeek-V4's compression, EOS in one row mid-way:
+# tests/test_ppo.py::test_rows_of_one_prompt_length_generate_together_where_the_batched_decode_keeps_them_apart).
+BATCHED_DECODE_KEEPS_ROWS_APART = frozenset({"recurrent_gemma", "deepseek_v4"})
+
+
 def decodes_rows_apart(model):
     """Whether HF generate may take rows of one prompt length of ``model`` (a ``LEFT_PADDING_MOVES_SCORES`` family)
-    together, as each alone: RWKV's where its one-token decode step keeps a batch's rows apart (transformers' mixes
-    them up to 5.25 at least; dschat's fix: ``compat.rwkv_decode_keeps_rows_apart``); the other families' batched
-    decodes are not checked here, so their rows go one at a time."""
+    together, as each alone: RecurrentGemma's and DeepSeek-V4's (``BATCHED_DECODE_KEEPS_ROWS_APART``); RWKV's where its
+    one-token decode step keeps a batch's rows apart (transformers' mixes them up to 5.25 at least; dschat's fix:
+    ``compat.rwkv_decode_keeps_rows_apart``); the other families' rows go one at a time."""
     from dschat.compat import rwkv_decode_keeps_rows_apart
 
-    return getattr(model.config, "model_type", None) == "rwkv" and rwkv_decode_keeps_rows_apart(model)
+    model_type = getattr(model.config, "model_type", None)
+    if model_type == "rwkv":
+        return rwkv_decode_keeps_rows_apart(model)
+    return model_type in BATCHED_DECODE_KEEPS_ROWS_APART
 
 
 def rows_to_generate_together(lengths, of_one_length):
