@@ -51,6 +51,8 @@ NOT_DECODABLE_PER_TOKEN = {
     "cpmant": "its forward prepends config.prompt_length virtual prompt tokens and wants the whole sequence at every "
               "step (its prepare_inputs_for_generation keeps it whole), reading no attention mask: over the static "
               "cache the prefill overflows it or the decode steps' shapes differ",
+    "xlstm": "its forward's cache is its own xLSTMCache of recurrent states, no KV cache: over the static cache its "
+             "first forward failed (AttributeError: 'StaticCache' object has no attribute 'rnn_state')",
 }
 
 
@@ -60,8 +62,8 @@ def check_decodable(model):
     all), RWKV's (``state``), XLNet's (``mems``), Reformer's (``past_buckets_states``), whose forward took the static
     cache into ``**kwargs`` and dropped it, so each decode step saw its one new token alone (RWKV generated other
     tokens than HF's generate without a word, GPT-1 and XLNet failed on shapes); or one of
-    ``NOT_DECODABLE_PER_TOKEN`` (CPMAnt: an IndexError deep in the cache before). The engine checks this when it is
-    built."""
+    ``NOT_DECODABLE_PER_TOKEN`` (CPMAnt: an IndexError deep in the cache before; xLSTM, whose ``cache`` is no KV
+    cache: an AttributeError). The engine checks this when it is built."""
     check_class_decodable(type(unwrap_peft(model)))
 
 
