@@ -329,3 +329,65 @@ def _rwkv_feed_forward(self, hidden, state=None):
     if state is not None:
         state[0][:, :, self.layer_id] = hidden[:, -1]
     return torch.sigmoid(self.receptance(receptance)) * value, state
+
+
+_XLSTM_TRANSFORMERS_CACHE_INIT = {}  # "init": transformers' own ``xLSTMCache.__init__``, where the fix replaced it
+
+
+def xlstm_cache_fits_its_layers(model):
+    """Whether transformers' ``xLSTMCache`` (made by the first forward with a cache: every HF generate) holds states of
+    the widths ``model``'s mLSTM layers compute, with dschat's fix put in where transformers' own does not.
+    transformers 5.25 sizes the states by the config's ``qk_head_dim`` and ``v_head_dim`` (configuration_xlstm.py:
+    ``hidden_size * qk_dim_factor``, and ``v_dim_factor``, rounded up to a multiple of 64; read only by
+    modeling_xlstm.py lines 1355-1363), while ``xLSTMLayer`` projects to those products unrounded (lines 1042-1043, as
+    NX-AI's xLSTM-large does). Where a product is no multiple of 64 (hidden 64, factor 0.5: states 16 wide a head,
+    the layer's heads 8), every forward with a cache, of one row or several, raised ``ValueError: matC_old has wrong
+    shape`` (modeling_xlstm.py line 412). Sizes whose products are multiples of 64 (xLSTM-7b's: 2048 and 4096) fit
+    as they are.
+
+    The fix (``_xlstm_cache_init``: transformers' own, then each state as wide as the layers compute) goes in, for the
+    whole process, only where a cache of one row for ``model``'s config (on the meta device: nothing allocated) misfits
+    its first mLSTM layer, and stays only where such a cache then fits it; else it is taken out again (False)."""
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    layer = _first_mlstm_layer(model)
+    fits = _xlstm_cache_fits(model.config, layer)
+    if fits or _XLSTM_TRANSFORMERS_CACHE_INIT:  # (as it is, or with the fix in already)
+        return fits
+    _XLSTM_TRANSFORMERS_CACHE_INIT["init"] = xLSTMCache.__init__
+    xLSTMCache.__init__ = _xlstm_cache_init
+    if _xlstm_cache_fits(model.config, layer):
+        return True
+    xLSTMCache.__init__ = _XLSTM_TRANSFORMERS_CACHE_INIT.pop("init")
+    return False
+
+
+def _first_mlstm_layer(model):
+    """``model``'s first mLSTM layer: the first module that says its query/key and value widths."""
+    layer = next((module for module in model.modules()
+                  if all(isinstance(getattr(module, width, None), int) for width in ("qk_dim", "v_dim"))), None)
+    if layer is None:
+        raise ValueError(f"xlstm_cache_fits_its_layers: {type(model).__name__} holds no mLSTM layer")
+    return layer
+
+
+def _xlstm_cache_fits(config, layer):
+    """Whether the states of an ``xLSTMCache`` of one row for ``config`` are as wide as ``layer`` computes them."""
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    heads = config.num_heads
+    matrix, normalizer, _ = xLSTMCache(config, 1, device="meta").rnn_state[0]
+    return (tuple(matrix.shape) == (1, heads, layer.qk_dim // heads, layer.v_dim // heads)
+            and tuple(normalizer.shape) == (1, heads, layer.qk_dim // heads))
+
+
+def _xlstm_cache_init(self, config, max_batch_size, *args, **kwargs):
+    """transformers' ``xLSTMCache.__init__``, then each layer's states as wide as ``xLSTMLayer`` computes them: its
+    projections' widths (``int(hidden_size * factor)``, unrounded) split among the heads."""
+    _XLSTM_TRANSFORMERS_CACHE_INIT["init"](self, config, max_batch_size, *args, **kwargs)
+    heads = config.num_heads
+    qk, v = (int(config.hidden_size * config.qk_dim_factor) // heads,
+             int(config.hidden_size * config.v_dim_factor) // heads)
+    shapes = ((max_batch_size, heads, qk, v), (max_batch_size, heads, qk), (max_batch_size, heads, 1))
+    self.rnn_state = {layer: tuple(state.new_zeros(shape) for state, shape in zip(states, shapes))
+                      for layer, states in self.rnn_state.items()}

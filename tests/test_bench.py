@@ -983,18 +983,22 @@ def test_family_sweep_builds_its_engines_with_torch_adam():
 def test_family_sweep_builds_hybrid_families_tiny_and_tells_transformers_own_failures_from_dschats():
     """bench/family_sweep.py: LFM2-MoE's default layer_types (None) failed in its model's constructor and
     Nemotron-H's pattern cut to "ME" left no attention layer (HF's generate then fails on the cache): both now build
-    a layer of each kind and pass. Where transformers itself fails (xLSTM's generate and forward on a padded batch of
-    the tiny config) the check is HF_ERROR, and where the engine's tokens are HF generate's over a StaticCache but
-    not over its dynamic cache (Inkling with the LoRA weights) HF_STATIC: neither is counted as dschat's failure."""
+    a layer of each kind and pass. Where transformers itself fails (Dory's generate and forward on the tiny padded
+    batch: its mask's length) the check is HF_ERROR, and where the engine's tokens are HF generate's over a
+    StaticCache but not over its dynamic cache (Inkling with the LoRA weights) HF_STATIC: neither is counted as
+    dschat's failure. xLSTM was HF_ERROR too, transformers' cache misfitting its tiny layers; with dschat's fix
+    (``compat.xlstm_cache_fits_its_layers``) HF generate answers, and the engine refuses it, naming the way out."""
     sys.path.insert(0, str(REPO / "bench"))
     import family_sweep
 
     results = {family: family_sweep.sweep_family(family, timeout=300, verbose=False)
-               for family in ("lfm2_moe", "nemotron_h", "xlstm", "inkling_text")}
+               for family in ("lfm2_moe", "nemotron_h", "dory", "xlstm", "inkling_text")}
     statuses = {family: [result[check][0] for check in family_sweep.CHECKS] for family, result in results.items()}
     assert statuses["lfm2_moe"] == statuses["nemotron_h"] == ["PASS"] * 3, results
-    assert statuses["xlstm"][0] == statuses["xlstm"][2] == "HF_ERROR", results["xlstm"]
-    assert "HF generate itself fails" in results["xlstm"]["generate"][1]
+    assert statuses["dory"][0] == statuses["dory"][2] == "HF_ERROR", results["dory"]
+    assert "HF generate itself fails" in results["dory"]["generate"][1]
+    assert statuses["xlstm"] == ["REFUSED", "HF_PADDING", "REFUSED"], results["xlstm"]
+    assert "xLSTMCache" in results["xlstm"]["generate"][1]
     assert statuses["inkling_text"] == ["PASS", "PASS", "HF_STATIC"], results["inkling_text"]
 
 

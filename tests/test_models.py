@@ -297,6 +297,63 @@ def test_rwkvs_batched_one_token_decode_keeps_rows_apart_with_the_fix(transforme
             assert torch.equal(answers[row:row + 1], lm.generate(prompts[row:row + 1], **call))
 
 
+@pytest.fixture
+def transformers_xlstm_cache(monkeypatch):
+    """transformers' own ``xLSTMCache.__init__`` in place (a test before may have put dschat's fix in); both as they
+    were after the test."""
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    from dschat import compat
+
+    monkeypatch.setattr(xLSTMCache, "__init__", compat._XLSTM_TRANSFORMERS_CACHE_INIT.get("init", xLSTMCache.__init__))
+    monkeypatch.setattr(compat, "_XLSTM_TRANSFORMERS_CACHE_INIT", {})
+
+
+def _tiny_xlstm(hidden_size):
+    from transformers import xLSTMConfig
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(xLSTMConfig(vocab_size=96, hidden_size=hidden_size, num_hidden_layers=2,
+                                                      num_heads=4, bos_token_id=None, eos_token_id=None,
+                                                      pad_token_id=None)).eval()
+    lm.generation_config.eos_token_id = lm.generation_config.pad_token_id = None
+    return lm
+
+
+def test_xlstms_cache_fits_its_layers_with_the_fix(transformers_xlstm_cache):
+    """transformers' xLSTMCache (5.25) sizes its states by the config's head widths rounded up to a multiple of 64
+    (``qk_head_dim``: 64 * 0.5 rounded to 64, over 4 heads: 16), while the layers compute them unrounded (8): every
+    forward with a cache of a 64-wide xLSTM raised "matC_old has wrong shape", one row or three, so HF generate
+    answered nothing. ``compat.xlstm_cache_fits_its_layers`` finds the misfit and puts dschat's fix in: a cached
+    forward and a decode step give the uncached logits, and batched greedy answers are each row's alone. A 128-wide
+    xLSTM (64 and 128 wide query/key and value projections) fits as transformers has it, and nothing is replaced."""
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    from dschat import compat
+
+    transformers_init = xLSTMCache.__init__
+    lm = _tiny_xlstm(64)
+    prompts, tokens = torch.randint(3, 96, (3, 5)), torch.randint(3, 96, (3, 1))
+    with torch.no_grad():
+        for rows in (1, 3):  # transformers' own (when this fails, transformers fixed it)
+            with pytest.raises(ValueError, match="matC_old has wrong shape"):
+                lm(input_ids=prompts[:rows], use_cache=True)
+        whole = lm(input_ids=torch.cat([prompts, tokens], 1), use_cache=False).logits
+    assert compat.xlstm_cache_fits_its_layers(lm) and xLSTMCache.__init__ is not transformers_init
+    with torch.no_grad():
+        prefill = lm(input_ids=prompts, use_cache=True)
+        step = lm(input_ids=tokens, cache=prefill.cache, use_cache=True).logits
+        assert torch.allclose(prefill.logits, whole[:, :5], atol=1e-4) and torch.allclose(step[:, -1], whole[:, -1],
+                                                                                            atol=1e-4)
+        call = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        answers = lm.generate(prompts, attention_mask=torch.ones_like(prompts), **call)
+        for row in range(3):
+            assert torch.equal(answers[row:row + 1], lm.generate(prompts[row:row + 1], **call))
+    xLSTMCache.__init__ = transformers_init  # (the fixture puts back what was there)
+    compat._XLSTM_TRANSFORMERS_CACHE_INIT.clear()
+    assert compat.xlstm_cache_fits_its_layers(_tiny_xlstm(128)) and xLSTMCache.__init__ is transformers_init
+
+
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
     """Where the width cannot be measured (a forward that fails on the meta device: here the probe is made to fail),
     the head takes the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""

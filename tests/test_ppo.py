@@ -4992,18 +4992,39 @@ def _tiny_recurrent_gemma_actor():
     return model
 
 
-@pytest.mark.parametrize("family", ["recurrent_gemma", "deepseek_v4"])
+def _tiny_xlstm_actor():
+    """xLSTM 64 wide, its cache mended: its query/key heads (64 * 0.5 / 4 = 8) are narrower than transformers' cache
+    makes their states, and a forward with a cache failed, one row too (tests/test_models.py)."""
+    from transformers import AutoModelForCausalLM, xLSTMConfig
+
+    from dschat.compat import xlstm_cache_fits_its_layers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(xLSTMConfig(
+        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=4, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    assert xlstm_cache_fits_its_layers(model)
+    return model
+
+
+TINY_ACTORS_READING_NO_MASK = {"recurrent_gemma": _tiny_recurrent_gemma_actor, "deepseek_v4": _tiny_deepseek_v4_actor,
+                               "xlstm": _tiny_xlstm_actor}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_ACTORS_READING_NO_MASK))
 def test_rows_of_one_prompt_length_generate_together_where_the_batched_decode_keeps_them_apart(monkeypatch, family):
-    """RecurrentGemma's and DeepSeek-V4's batched decodes keep unpadded rows apart in transformers, yet HF generate
-    took their left-padded prompts one call per row, as RWKV's (whose decode mixed rows). Their rows of one prompt
-    length now generate together: 3 calls for prompts of 12, 3, 1, 3 and 12 tokens (past the attention windows and
+    """RecurrentGemma's and DeepSeek-V4's batched decodes keep unpadded rows apart in transformers, and xLSTM's with
+    dschat's fix of its cache (without it a 64-wide xLSTM generated nothing, one row or several), yet HF generate took
+    their left-padded prompts one call per row, as RWKV's (whose decode mixed rows). Their rows of one prompt length
+    now generate together: 3 calls for prompts of 12, 3, 1, 3 and 12 tokens (past the attention windows and
     DeepSeek-V4's pooling), each row's answer its prompt's alone, greedy, one row of a pair meeting EOS mid-way."""
     sys.path.insert(0, str(REPO / "tests" / "scripts"))
     from hybrid_common import left_padded_batch
 
     from dschat.rlhf.trainer import from_fresh_module_states, hf_generate
 
-    model = _tiny_recurrent_gemma_actor() if family == "recurrent_gemma" else _tiny_deepseek_v4_actor()
+    model = TINY_ACTORS_READING_NO_MASK[family]()
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
     lengths = [12, 3, 1, 3, 12]
     ids, mask = left_padded_batch(lengths, seed=1)

@@ -319,12 +319,15 @@ def decodes_rows_apart(model):
     """Whether HF generate may take rows of one prompt length of ``model`` (a ``LEFT_PADDING_MOVES_SCORES`` family)
     together, as each alone: RecurrentGemma's and DeepSeek-V4's (``BATCHED_DECODE_KEEPS_ROWS_APART``); RWKV's where its
     one-token decode step keeps a batch's rows apart (transformers' mixes them up to 5.25 at least; dschat's fix:
-    ``compat.rwkv_decode_keeps_rows_apart``); the other families' rows go one at a time."""
-    from dschat.compat import rwkv_decode_keeps_rows_apart
+    ``compat.rwkv_decode_keeps_rows_apart``); xLSTM's where its cache fits its layers (transformers' misfits some
+    sizes, one row too; dschat's fix: ``compat.xlstm_cache_fits_its_layers``), else one row at a time."""
+    from dschat.compat import rwkv_decode_keeps_rows_apart, xlstm_cache_fits_its_layers
 
     model_type = getattr(model.config, "model_type", None)
     if model_type == "rwkv":
         return rwkv_decode_keeps_rows_apart(model)
+    if model_type == "xlstm":
+        return xlstm_cache_fits_its_layers(model)
     return model_type in BATCHED_DECODE_KEEPS_ROWS_APART
 
 
