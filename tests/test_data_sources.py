@@ -488,6 +488,34 @@ def test_a_compressed_json_file_given_by_its_path_is_read_as_the_plain_file(tmp_
         raw(str(tmp_path / "missing.jsonl.gz"), tmp_path)
 
 
+def test_a_folders_eval_file_is_read_beside_its_train_file_where_one_of_them_is_compressed(tmp_path):
+    """A folder of train.jsonl and test.jsonl.gz (or train.jsonl.gz and test.jsonl: the large file compressed, as
+    compressed JSON is read by its own path) evaluates on its test file, as one of two plain files does: the folder's
+    eval file was looked for uncompressed beside a plain train file, and beside a compressed one (a download's top
+    level, which counts compressed split files alone) not at all, and the train file was split 90/10 without a word.
+    A plain and a compressed file of one split name are an error, as two types of it are."""
+    import gzip
+
+    def write(path, records):
+        text = "".join(json.dumps(r) + "\n" for r in records).encode()
+        path.write_bytes(gzip.compress(text) if path.suffix == ".gz" else text)
+
+    for train, evaluation in (("train.jsonl", "test.jsonl.gz"), ("train.jsonl.gz", "test.jsonl"),
+                              ("train.jsonl", "eval.json.gz"), ("train.jsonl.gz", "validation.jsonl")):
+        folder = tmp_path / f"{train}-{evaluation}"
+        folder.mkdir()
+        write(folder / train, RECORDS[:15])
+        write(folder / evaluation, RECORDS[15:])
+        adapter = raw(str(folder), tmp_path)
+        assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15]), (train, evaluation)
+        assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:]), (train, evaluation)
+    folder = tmp_path / "train.jsonl-test.jsonl.gz"
+    write(folder / "test.jsonl", RECORDS[15:])
+    with pytest.raises(UsageError, match=r"the folder holds test\.jsonl and test\.jsonl\.gz, and one file is the "
+                                         r"eval data"):
+        raw(str(folder), tmp_path)
+
+
 def test_a_broken_line_of_a_compressed_file_given_by_its_path_is_named_by_file_and_line(tmp_path):
     """A compressed JSON Lines file given by its path gets the plain file's checks, over its text decompressed: a
     bad line named by the file and its number, a key written twice refused; a CSV compressed is refused, saying to

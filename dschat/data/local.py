@@ -844,7 +844,7 @@ def _folder_source(kind, folder, spec, flag=None):
     if not os.path.isfile(train):
         return _hub_layout_source(kind, folder, spec, flag)
     evaluation, unread = _folder_eval_file(folder, spec, flag)
-    eval_kind = evaluation and EXTENSION_TYPES[os.path.splitext(evaluation)[1]]
+    eval_kind = evaluation and hub_data_kind(evaluation)  # (test.jsonl.gz: jsonl)
     return LocalSource(kind, train, evaluation, spec, eval_kind if eval_kind != kind else None, unread)
 
 
@@ -945,8 +945,12 @@ def _hub_layout_source(kind, folder, spec, flag=None):
     if hub_data_kind(train) != kind:
         raise UsageError(f"{given_as(flag, spec)}: the folder's train data is {os.path.relpath(train)}, not {kind}")
     evaluation = splits[eval_names[0]] if eval_names else [None]
-    eval_kind = evaluation[0] and hub_data_kind(evaluation[0])
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
+    if not eval_names and os.path.samefile(os.path.dirname(train), folder):
+        # (a plain eval file beside a compressed train file, train.jsonl.gz and test.jsonl, which the top level of a
+        # download does not count: the train data was split 90/10 without a word)
+        evaluation[0], unread = _folder_eval_file(folder, spec, flag)
+    eval_kind = evaluation[0] and hub_data_kind(evaluation[0])
     say_subfolders_joined(spec, folder, [*splits["train"], *(evaluation if evaluation[0] else [])])
     return LocalSource(kind, train, evaluation[0], spec, eval_kind if eval_kind != kind else None, unread,
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
@@ -1076,24 +1080,32 @@ def names_said(names, most=4):
 
 def _folder_eval_file(folder, spec, flag=None):
     """(the folder's eval file, the other eval files it holds, not read): eval, test or validation, the first of them
-    there, with any of the file extensions (train.jsonl beside eval.json: the eval file was not looked for, and the
-    train file was split 90/10). A folder of train, validation and test files (a hub dataset's splits written out)
-    evaluates on test, as a save_to_disk DatasetDict of them does, and says so (``LocalDataset`` on loading); one
-    name with two extensions (eval.jsonl and eval.json) is an error naming them: either may be the eval data."""
+    there, with any of the file extensions, JSON's compressed too (``_split_file_names``: test.jsonl.gz) (train.jsonl
+    beside eval.json: the eval file was not looked for, and the train file was split 90/10). A folder of train,
+    validation and test files (a hub dataset's splits written out) evaluates on test, as a save_to_disk DatasetDict of
+    them does, and says so (``LocalDataset`` on loading); one name with two extensions (eval.jsonl and eval.json) is
+    an error naming them: either may be the eval data."""
     for name in EVAL_SPLIT_NAMES:
-        found = [os.path.join(folder, name + extension) for extension in EXTENSION_TYPES
-                 if os.path.isfile(os.path.join(folder, name + extension))]
+        found = [os.path.join(folder, file) for file in _split_file_names(name)
+                 if os.path.isfile(os.path.join(folder, file))]
         if len(found) > 1:
             names = " and ".join(os.path.basename(path) for path in found)
             raise UsageError(f"{given_as(flag, spec)}: the folder holds {names}, and one file is the eval data: give "
                              f"it as TYPE:TRAIN_PATH,EVAL_PATH, or keep one of them in the folder")
         if found:
             later = EVAL_SPLIT_NAMES[EVAL_SPLIT_NAMES.index(name) + 1:]
-            unread = tuple(os.path.basename(path) for path in (os.path.join(folder, other + extension)
-                                                                for other in later for extension in EXTENSION_TYPES)
-                           if os.path.isfile(path))
+            unread = tuple(file for other in later for file in _split_file_names(other)
+                           if os.path.isfile(os.path.join(folder, file)))
             return found[0], unread
     return None, ()
+
+
+def _split_file_names(name):
+    """The names a folder's file of the split ``name`` may have: NAME.EXT of each type dschat reads, and JSON's
+    compressed as it reads them (``PACKED_JSON``: test.jsonl.gz beside train.jsonl was not looked for, and the train
+    file was split 90/10)."""
+    return [name + extension + packed for extension, kind in EXTENSION_TYPES.items()
+            for packed in ("", *(PACKED_JSON if kind in ("json", "jsonl") else ()))]
 
 
 # --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
