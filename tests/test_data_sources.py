@@ -2781,6 +2781,30 @@ def test_the_ranks_of_a_node_hash_a_data_file_once(tmp_path):
     assert digests == {hashlib.sha256(data.read_bytes()).hexdigest()}
 
 
+def test_a_process_killed_while_hashing_on_a_cache_without_flock_holds_no_later_one_up(tmp_path):
+    """On a hash cache whose file system has no flock (Lustre mounted without it, some FUSE mounts), the hashing lock
+    fell back to filelock's soft lock, a marker file that a process of another host or container never judges stale:
+    a rank killed while hashing left it, and every later process hashing a file of its bucket waited forever, without
+    a word. Without flock no lock is taken now (each process hashes, as on a cache it cannot write)."""
+    import hashlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "scripts" / "hash_without_flock.py")
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    killed = subprocess.run([sys.executable, script, "node-a", str(data), "die"], env=env, timeout=120)
+    assert killed.returncode == 9
+    try:
+        later = subprocess.run([sys.executable, script, "node-b", str(data)], env=env, capture_output=True, text=True,
+                               timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a process of another host waited for the lock of the killed one")
+    assert later.stdout.strip() == hashlib.sha256(data.read_bytes()).hexdigest(), later.stderr
+
+
 def test_a_files_file_system_is_read_from_this_processs_mountinfo(tmp_path, monkeypatch):
     """The mounts' file systems by device (/proc/self/mountinfo's MAJOR:MINOR and the type after " - "); none where
     it cannot be read (no /proc: macOS), so nothing is kept there."""

@@ -505,21 +505,26 @@ def _hashing_lock(path, stamp):
     A file lock, not a collective: ranks need not hash the same files, nor in one order, nor have a process group; a
     rank killed while holding it lets it go. One lock per bucket of the kept hashes (a 256th of them, by the entry's
     name), a file beside the buckets (at most 256, never pruned). Where it cannot be taken (a cache folder not
-    writable, another user's lock file in a shared cache), none is: the process hashes the file itself."""
-    from filelock import FileLock
+    writable, another user's lock file in a shared cache, a file system without flock), none is: the process hashes
+    the file itself. flock alone, not filelock's FileLock: without flock, FileLock falls back to a marker file, which
+    a process of another host or container never takes for stale, so a rank killed while hashing held every later
+    process hashing a file of its bucket up for ever (filelock 3 raised NotImplementedError there instead)."""
+    import fcntl
 
     bucket = os.path.basename(os.path.dirname(_digest_memo_path(path, stamp)))
-    lock = FileLock(os.path.join(_digest_memo_folder(), f"{bucket}.lock"))
-    try:
+    fd = None
+    with contextlib.suppress(OSError):
         os.makedirs(_digest_memo_folder(), exist_ok=True)
-        lock.acquire()
-    except OSError:
+        fd = os.open(os.path.join(_digest_memo_folder(), f"{bucket}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    if fd is None:
         yield
         return
     try:
+        with contextlib.suppress(OSError):  # (ENOSYS, ENOLCK: no flock there, so no lock)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        lock.release()
+        os.close(fd)  # (which lets the lock go)
 
 
 def _stat_stamp(st):
