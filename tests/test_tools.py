@@ -115,30 +115,78 @@ def test_an_unfinished_runs_policy_not_written_yet_is_its_sft_model_not_another_
     assert find_policy_path(str(run)) == str(run / "step3_ppo" / "actor")
 
 
-def test_find_policy_path_reads_a_runs_report_once(tmp_path, monkeypatch):
-    """find_policy_path read report.json three times (the reported policy, whether it is there, the fallbacks), each
-    an open and a parse of the same file; once now, finished run or not."""
+@pytest.fixture
+def report_reads(monkeypatch):
+    """The report.json files read (``read_json_object``) during the test, once per read."""
     import dschat.utils.files
 
-    run = tmp_path / "run"
-    for folder in ("step1_sft", "step2_dpo"):
-        (run / folder).mkdir(parents=True)
-        (run / folder / "config.json").write_text("{}")
     reads = []
     read_json_object = dschat.utils.files.read_json_object
 
     def counted(path):
-        reads.append(path)
+        if os.path.basename(path) == "report.json":
+            reads.append(path)
         return read_json_object(path)
 
     monkeypatch.setattr(dschat.utils.files, "read_json_object", counted)
+    return reads
+
+
+def test_find_policy_path_reads_a_runs_report_once(tmp_path, report_reads):
+    """find_policy_path read report.json three times (the reported policy, whether it is there, the fallbacks), each
+    an open and a parse of the same file; once now, finished run or not."""
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step2_dpo"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
     # (a finished run's policy, there; an unfinished one's, not written yet: its SFT model)
     for report, found in (({"policy": "step2_dpo"}, "step2_dpo"),
                           ({"policy": "step3_ppo/actor", "unfinished": True}, "step1_sft")):
         (run / "report.json").write_text(json.dumps(report))
-        reads.clear()
+        report_reads.clear()
         assert find_policy_path(str(run)) == str(run / found)
-        assert reads == [str(run / "report.json")], report
+        assert report_reads == [str(run / "report.json")], report
+
+
+def test_a_flag_path_lookup_reads_a_runs_report_once(tmp_path, report_reads, capsys):
+    """flag_path read report.json again once find_policy_path or find_reward_model_path had read it, for its warning
+    of an unfinished run: two reads per lookup of a run folder. One now, the warning still said."""
+    from dschat.errors import UsageError
+    from dschat.models.reward_model import VALUE_HEAD_FILE
+    from dschat.tools.common import find_reward_model_path
+
+    run = tmp_path / "run"
+    for folder in ("step1_sft", "step2_rm"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    (run / "step2_rm" / VALUE_HEAD_FILE).write_text("")  # (a reward model's files, as the lookup checks them)
+    (run / "report.json").write_text(json.dumps({"policy": "step3_ppo/actor", "unfinished": True}))
+    for flag, find, found in (("--path", find_policy_path, "step1_sft"),
+                              ("--model_name_or_path", find_reward_model_path, "step2_rm")):
+        report_reads.clear()
+        assert flag_path(flag, find, str(run)) == str(run / found)
+        assert report_reads == [str(run / "report.json")], flag
+        assert f"warning: {flag} {run}: its last train.py run did not finish" in capsys.readouterr().err
+    (run / "report.json").write_text("{")  # (a damaged one: said with the flag, as when find read it)
+    with pytest.raises(UsageError, match=f"^--path {re.escape(str(run / 'report.json'))} is not JSON"):
+        flag_path("--path", find_policy_path, str(run))
+
+
+def test_ppo_eval_reads_the_run_folders_report_once_for_its_sft_models_run(tmp_path, report_reads):
+    """--policy RUN whose SFT model is the one taken (an unfinished --recipe dpo run): the lookup read report.json
+    twice, sft_comparison_run once more (its policy picks the DPO step's flags over an older step 3's), and the
+    DPO defaults once more (a held-out rule score of an older report). Once now, and the same run's flags taken."""
+    run = tmp_path / "run"
+    (run / "step1_sft").mkdir(parents=True)
+    (run / "step1_sft" / "config.json").write_text("{}")
+    for folder, step in (("step3_ppo", "step3"), ("step2_dpo", "step2_dpo")):  # (no DPO policy written yet)
+        (run / folder).mkdir()
+        (run / folder / RUN_ARGS_FILE).write_text(json.dumps({"step": step, "world_size": 1,
+                                                              "flags": {"data_path": ["tiny"]}}))
+    (run / "report.json").write_text(json.dumps({"policy": "step2_dpo", "unfinished": True}))
+    defaults, source = ppo_eval.step3_run_defaults(ppo_eval.build_parser().parse_args(["--policy", str(run)]))
+    assert source == str(run / "step2_dpo" / RUN_ARGS_FILE)
+    assert report_reads == [str(run / "report.json")]
 
 
 def test_a_run_folder_whose_model_a_save_swap_left_beside_it_is_an_error_naming_it(tmp_path):

@@ -56,22 +56,18 @@ def check_stdout_open(results, instead=""):
                          f"pipe{instead}")
 
 
-def _run_report(path):
-    """The report the last train.py run wrote in ``path`` ({}: none)."""
+def run_report(path):
+    """The report the last train.py run wrote in the folder ``path`` ({}: none, or ``path`` is no folder)."""
     from dschat.utils.files import read_json_object
 
     # (a damaged or hand-edited file: an error naming it, not json's traceback)
-    return read_json_object(os.path.join(path, REPORT_FILE)) or {}
+    return read_json_object(os.path.join(os.path.expanduser(path), REPORT_FILE)) or {}
 
 
-def _reported(path, key):
-    """``key`` of the report the last train.py run wrote in ``path``, if any."""
-    return _run_report(path).get(key)
-
-
-def reported_policy(path):
-    """The policy subfolder the last train.py run in ``path`` reported as its result, if any."""
-    return _policy_in(_run_report(path))
+def reported_policy(path, report=None):
+    """The policy subfolder the last train.py run in ``path`` reported as its result, if any; ``report``: its
+    ``run_report``, where the caller has read it already."""
+    return _policy_in(run_report(path) if report is None else report)
 
 
 def _policy_in(report):
@@ -116,12 +112,14 @@ def steps_without_a_model_yet(path, subfolders):
                    for folder in waiting)
 
 
-def find_policy_path(path):
+def find_policy_path(path, report=None):
     """A run's output folder -> the policy its last train.py run reported, else its PPO actor, DPO policy or SFT
     model, in that order (an unfinished run's SFT model first: ``policy_fallbacks``); a model folder or hub name as
     is. A reward model is refused here, before any model loads:
-    ppo_eval and prompt_eval refused one given as their second model only after the first one's answers."""
-    report = _run_report(os.path.expanduser(path))  # (read once, for the three uses below)
+    ppo_eval and prompt_eval refused one given as their second model only after the first one's answers.
+    ``report``: ``path``'s ``run_report``, where the caller has read it already (``flag_path_and_report``)."""
+    if report is None:
+        report = run_report(path)  # (read once, for the three uses below)
     reported, unfinished = _policy_in(report), bool(report.get("unfinished"))
     check_reported_policy_there(path, reported, unfinished)
     found = _model_folder(path, policy_fallbacks(reported, unfinished), reported)
@@ -157,25 +155,35 @@ def check_reported_policy_there(path, reported, unfinished):
 def flag_path(flag, find, value):
     """``find(value)`` (``find_policy_path``, ``find_reward_model_path``); a model it refuses (missing, a reward model
     for a policy) is said with its flag, an unfinished step's (``unfinished_reason``) is warned of."""
+    return flag_path_and_report(flag, find, value)[0]
+
+
+def flag_path_and_report(flag, find, value):
+    """(``flag_path``, ``value``'s ``run_report``): the report read once, for ``find``, the warning of an unfinished
+    run and the caller (ppo_eval's choice of the run whose flags it takes)."""
     if not value.strip():  # (e.g. --path "$OUT" with OUT unset: a hub lookup of '' that named no flag)
         raise UsageError(f"{flag} {value!r}: an empty path (an unset shell variable?): give a model folder, a run's "
                          "output folder or a hub name")
     try:
-        path = find(value)
-    except UsageError as err:  # (a missing folder, a reward model given as a policy, ...)
+        report = run_report(value)
+        path = find(value, report)
+    except UsageError as err:  # (a missing folder, a reward model given as a policy, a damaged report.json, ...)
         raise type(err)(f"{flag} {err}") from err
     if reason := unfinished_reason(path):
         say_once(f"warning: {flag} {path}: {reason}")  # (once: rw_eval and ppo_eval look their model up twice)
-    elif os.path.isdir(os.path.expanduser(value)) and _reported(os.path.expanduser(value), "unfinished"):
+    elif report.get("unfinished"):  # (a run folder's: a model folder or hub name has no report)
         say_once(f"warning: {flag} {value}: its last train.py run did not finish ({REPORT_FILE} says so): {path} may "
                  "be from before it")
-    return path
+    return path, report
 
 
-def find_reward_model_path(path):
+def find_reward_model_path(path, report=None):
     """A run's output folder -> the reward model its step 3 scored with (the one train.py was given, else its step-2
-    folder); a model folder or a hub name as is (a hub model's value head is checked once it has loaded)."""
-    given = _reported(os.path.expanduser(path), "reward_model")  # (a folder's absolute path, or a hub name)
+    folder); a model folder or a hub name as is (a hub model's value head is checked once it has loaded).
+    ``report``: ``path``'s ``run_report``, where the caller has read it already (``flag_path_and_report``)."""
+    if report is None:
+        report = run_report(path)
+    given = report.get("reward_model")  # (a folder's absolute path, or a hub name)
     if given is not None and not isinstance(given, str):  # (a hand-edited file: not os.path's TypeError)
         raise UsageError(f"{os.path.join(path, REPORT_FILE)}: its \"reward_model\" is {given!r}, not a path or hub "
                          "name: mend it, or give the reward model's folder")

@@ -25,9 +25,9 @@ from dschat.run_layout import DPO_DIR, PPO_DIR, REPORT_FILE, SFT_DIR
 from dschat.steps.common import RUN_ARGS_FILE, among_inputs, read_run_args
 from dschat.steps.ppo import held_out_loader_once, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
-                                 find_reward_model_path, flag_path, load_policy, load_scoring_reward_model,
-                                 non_empty_path, one_process, parse_with_run_defaults,
-                                 reported_policy)
+                                 find_reward_model_path, flag_path, flag_path_and_report, load_policy,
+                                 load_scoring_reward_model, non_empty_path, one_process, parse_with_run_defaults,
+                                 reported_policy, run_report)
 from dschat.utils.files import path_under
 
 
@@ -227,10 +227,14 @@ def step3_run_defaults(args):
     ({}, None). A run folder's SFT model takes the step 3's or DPO step's beside it that started from it
     (``sft_comparison_run``), as the same prompts are what it is compared on (train.py --recipe dpo's report scores it
     beside the DPO policy); a DPO policy takes its DPO run's (``dpo_run_defaults``)."""
-    policy_path = flag_path("--policy", find_policy_path, args.policy)
+    policy_path, report = flag_path_and_report("--policy", find_policy_path, args.policy)
     if not os.path.isdir(policy_path):  # a hub name: no run of ours
         return {}, None
-    run, folder = policy_run(os.path.abspath(policy_path))
+    policy = os.path.abspath(policy_path)
+    # (the report read is that of the run folder holding the policy where --policy named that folder: not read again)
+    given = os.path.abspath(os.path.expanduser(args.policy))
+    run_folder_report = report if os.path.dirname(policy) == given else None
+    run, folder = policy_run(policy, run_folder_report)
     if run is None:
         # e.g. a notebook's save_causal_lm: the prompts scored may not be the run's held-out ones
         print(f"[ppo_eval] no step-3 {RUN_ARGS_FILE} with {policy_path}: the held-out prompts are those of this tool's "
@@ -238,7 +242,7 @@ def step3_run_defaults(args):
               f"{args.seed}); give step 3's to score its held-out prompts")
         return {}, None
     if run.get("step") == DPO_DIR:
-        return dpo_run_defaults(run, folder, args)
+        return dpo_run_defaults(run, folder, args, run_folder_report)
     flags = run["flags"]
     defaults = run_data_defaults(run, STEP3_DATA_FLAGS)
     defaults.update(run_data_cache(run, folder))
@@ -250,16 +254,17 @@ def step3_run_defaults(args):
     return defaults, os.path.join(folder, RUN_ARGS_FILE)
 
 
-def policy_run(policy):
+def policy_run(policy, report=None):
     """(the training_args.json record of the run whose flags this tool takes for the policy folder ``policy``, the
     folder it is in), else (None, None): a step 3's (in ``policy``, or beside its actor), else for a run folder's SFT
     model the one its comparison was made with (``sft_comparison_run``), else the DPO step's that wrote ``policy``.
-    (Only the SFT model borrows a sibling's: a DPO policy beside an older PPO run was not trained there.)"""
+    (Only the SFT model borrows a sibling's: a DPO policy beside an older PPO run was not trained there.)
+    ``report``: the ``run_report`` of the folder that holds ``policy``, where the caller has read it already."""
     for folder in (policy, os.path.dirname(policy)):
         if (run := read_run_args(folder, "step3")) is not None:
             return run, folder
     if os.path.basename(policy) == SFT_DIR:
-        return sft_comparison_run(policy)
+        return sft_comparison_run(policy, report)
     run = read_run_args(policy, DPO_DIR)
     return (run, policy) if run is not None else (None, None)
 
@@ -269,16 +274,16 @@ def policy_run(policy):
 SFT_COMPARISON_STEPS = ((PPO_DIR, "step3"), (DPO_DIR, DPO_DIR))
 
 
-def sft_comparison_run(sft):
+def sft_comparison_run(sft, report=None):
     """(the record of the step beside the SFT model folder ``sft`` that was trained from it, the folder it is in),
     else (None, None). One output folder may hold a PPO run's step3_ppo and a later train.py --recipe dpo's step2_dpo
     (or the reverse), and the later run's step 1 replaced the SFT model the earlier step started from: the SFT model
     was scored with the flags of that earlier step 3, not those of the DPO run whose report scored it. So a step that
     recorded it started from this model (its "inputs") comes first, then one that recorded nothing; of two alike, the
     last train.py run's (report.json's policy), else step 3's; one trained from another model only where no other
-    is, said."""
+    is, said. ``report``: the run folder's ``run_report``, where the caller has read it already."""
     run_folder = os.path.dirname(sft)
-    reported = (reported_policy(run_folder) or "").split("/")[0]
+    reported = (reported_policy(run_folder, report) or "").split("/")[0]
     candidates = []
     for order, (name, step) in enumerate(SFT_COMPARISON_STEPS):
         folder = os.path.join(run_folder, name)
@@ -295,14 +300,14 @@ def sft_comparison_run(sft):
     return run, folder
 
 
-def dpo_run_defaults(dpo_run, dpo_folder, args):
+def dpo_run_defaults(dpo_run, dpo_folder, args, report=None):
     """(this tool's defaults from the DPO run ``dpo_run`` (read_run_args') whose model is ``dpo_folder``, where they
     come from): its data flags (``DPO_DATA_FLAGS``) and cache, and the flags train.py --recipe dpo's report scored
-    with."""
+    with. ``report``: the ``run_report`` of the run folder that holds ``dpo_folder``, where already read."""
     defaults, source = run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(dpo_folder, RUN_ARGS_FILE)
     defaults.update(run_data_cache(dpo_run, dpo_folder))
     reported, said = reported_rule_score_defaults(dpo_folder, os.path.dirname(dpo_folder), args,
-                                                  defaults.get("data_path"))
+                                                  defaults.get("data_path"), report)
     defaults.update(reported)
     return defaults, source + said
 
@@ -312,14 +317,15 @@ def dpo_run_defaults(dpo_run, dpo_folder, args):
 DPO_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_of", "seed", "add_eot_token")
 
 
-def reported_rule_score_defaults(policy, run_folder, args, data_path):
+def reported_rule_score_defaults(policy, run_folder, args, data_path, report=None):
     """(the flags with which train.py's DPO recipe scored its SFT and DPO policies, ``pipeline.held_out_rule_scores``:
     every held-out prompt, step 3's tiny-recipe lengths; where they come from, as the "from" line says it), read from
     the DPO model's metrics.json, where the recipe keeps them (``keep_rule_scores_with_the_dpo_model``), else, for a
     run from before that, from ``run_folder``'s report.json if it has the score. Neither: ({}, ""), and this tool's own
     defaults are said (64 prompts with 256-token answers, numbers unlike such a report's; a later run's report.json in
     the same folder left them unsaid), where the DPO run's ``data_path`` is the embedded data (the recipe scores no
-    other); ``args``: this tool's flags, parsed without the run's."""
+    other); ``args``: this tool's flags, parsed without the run's; ``report``: ``run_folder``'s ``run_report``, where
+    already read."""
     from dschat.pipeline import RULE_SCORE_FLAGS_KEY, held_out_rule_score_eval_flags
     from dschat.run_layout import FINISHED_MARK
     from dschat.utils.files import read_json_object
@@ -328,10 +334,9 @@ def reported_rule_score_defaults(policy, run_folder, args, data_path):
     kept = (read_json_object(metrics) or {}).get(RULE_SCORE_FLAGS_KEY)
     if isinstance(kept, dict) and kept:
         return dict(kept), f" and {metrics}'s held-out rule score"
-    report = os.path.join(run_folder, REPORT_FILE)
-    dpo = (read_json_object(report) or {}).get("dpo")
+    dpo = (run_report(run_folder) if report is None else report).get("dpo")
     if isinstance(dpo, dict) and dpo.get("held_out_rule_score"):
-        return held_out_rule_score_eval_flags(), f" and {report}'s held-out rule score"
+        return held_out_rule_score_eval_flags(), f" and {os.path.join(run_folder, REPORT_FILE)}'s held-out rule score"
     if is_tiny_data(data_path):
         print(f"[ppo_eval] {policy}: no held-out rule score of train.py --recipe dpo kept with it ({metrics}): scored "
               f"with --num_prompts {args.num_prompts} --max_new_tokens {args.max_new_tokens} --max_prompt_seq_len "
