@@ -1046,6 +1046,38 @@ def test_a_hub_model_without_a_value_head_is_refused_as_a_scorer_before_it_loads
         load_scoring_reward_model("acme/plain-lm", None)
 
 
+def test_a_hub_reward_models_files_are_fetched_once_per_process(hub_cache, monkeypatch):
+    """Step 3's check of a hub reward model fetched its files twice (``has_trained_value_head``, then whether it is a
+    critic), its load a third time: online, each a round of hub requests for every file. Once now; a snapshot removed
+    since is fetched again (here: it is gone from the hub cache, an error), not taken from what this process saw."""
+    import shutil
+
+    import transformers.utils.hub
+
+    from dschat.errors import MissingInputError
+    from dschat.models.reward_model import has_trained_value_head
+    from dschat.rlhf.config import check_reward_model_trained
+
+    name = "acme/fetched-once-rm"
+    snapshot = hub_cache(name, lambda folder: save_reward_model(RewardModel(AutoModel.from_config(CONFIGS["gpt2"]())),
+                                                                _Tok(), str(folder)))
+    asked = []
+    cached_file = transformers.utils.hub.cached_file
+
+    def counted(repo, filename, **kwargs):
+        if repo == name:
+            asked.append(filename)
+        return cached_file(repo, filename, **kwargs)
+
+    monkeypatch.setattr(transformers.utils.hub, "cached_file", counted)
+    check_reward_model_trained(name)
+    assert has_trained_value_head(name)
+    assert asked.count("config.json") == 1, asked
+    shutil.rmtree(snapshot)
+    with pytest.raises(MissingInputError, match=f"{name}: no such folder here, nor a model of that name"):
+        has_trained_value_head(name)
+
+
 def test_step3_warns_once_of_a_critic_it_would_be_rewarded_by(tmp_path, capsys):
     """The reward model defaults to --critic_model_name_or_path, so PPO continued from an earlier step 3's critic (one
     marked in its reward_model.json, or critic/ in a step-3 folder) with no reward model given was rewarded by the

@@ -125,10 +125,34 @@ def hub_file(name, file):
                        _raise_exceptions_for_connection_errors=False)
 
 
+# The snapshot folders ``hub_model_folder`` fetched in this process, by ``_hub_folder_key``
+_FETCHED_HUB_FOLDERS = {}
+
+
 def hub_model_folder(name, extra_files=()):
     """The local snapshot folder of the hub model ``name`` holding its config and the weights ``from_pretrained``
     would read (safetensors first; a sharded index's shards), and those of ``extra_files`` that it has: what readers
-    of a folder's files by name (a reward model's value head) need."""
+    of a folder's files by name (a reward model's value head) need. Fetched once per process: online, each fetch asks
+    the hub for every file, and step 3 and the tools read a reward model's folder two or three times (its value head,
+    whether it is a critic, its load)."""
+    folder = _FETCHED_HUB_FOLDERS.get(_hub_folder_key(name, extra_files))
+    if folder is None or not os.path.isdir(folder):  # (a snapshot removed since: fetched again)
+        folder = _fetch_hub_model_folder(name, extra_files)
+        # (keyed after the fetch: it may have turned offline mode on, ``read_hub_cache_only_if_unreachable``)
+        _FETCHED_HUB_FOLDERS[_hub_folder_key(name, extra_files)] = folder
+    return folder
+
+
+def _hub_folder_key(name, extra_files):
+    """What a fetched snapshot folder holds besides ``name`` and ``extra_files`` depends on: the hub cache it is in,
+    and whether the hub was asked (offline, a file the hub cache lacked is left out: online, it is fetched then)."""
+    from huggingface_hub import constants
+
+    return name, tuple(extra_files), constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE
+
+
+def _fetch_hub_model_folder(name, extra_files=()):
+    """``hub_model_folder``, fetched (or read from the hub cache offline) now."""
     from transformers.utils.hub import cached_file, get_checkpoint_shard_files
 
     folder = os.path.dirname(hub_load(cached_file, name, filename="config.json"))
