@@ -705,6 +705,38 @@ def test_step3_and_the_tools_say_a_critic_given_as_the_reward_model_in_the_same_
         assert capsys.readouterr().err.startswith(prefix + sentence), warn.__name__
 
 
+def test_a_step3_critic_on_the_hub_given_as_the_reward_model_is_warned_of_from_the_files_fetched_once(
+        models, hub_cache, capsys, monkeypatch):
+    """The tools warned of a critic given as the reward model only for a folder: a hub name's reward_model.json
+    ("role": "critic", as a notebook's save_reward_model(engine.critic, ...) writes it) was left unread, as a second
+    fetch of its files. Now read from the files the value-head check fetched, no hub request of its own."""
+    import transformers.utils.hub
+
+    from dschat.tools import rw_eval
+    from dschat.tools.common import check_reward_model
+
+    name = "acme/ppo-critic"
+    snapshot = hub_cache(name, lambda folder: shutil.copytree(models["rm"], folder))
+    meta = json.loads((snapshot / "reward_model.json").read_text())
+    (snapshot / "reward_model.json").write_text(json.dumps({**meta, "role": "critic"}))
+    asked = []
+    cached_file = transformers.utils.hub.cached_file
+
+    def counted(repo, filename, **kwargs):
+        if repo == name:
+            asked.append(filename)
+        return cached_file(repo, filename, **kwargs)
+
+    monkeypatch.setattr(transformers.utils.hub, "cached_file", counted)
+    warned = f"warning: {name}: step 3's critic (the value model PPO trains beside the actor), not a reward model"
+    check_reward_model(name)
+    assert warned in capsys.readouterr().err
+    assert asked.count("config.json") == 1, asked
+    monkeypatch.setattr("dschat.utils.cli._SAID", set())
+    rw_eval.main(["--model_name_or_path", name, "--prompt", "Say hi.", "--answer", "hi"])  # (as it loads to score)
+    assert warned in capsys.readouterr().err
+
+
 def test_a_reward_model_as_the_second_policy_is_refused_with_its_flag_before_any_model_loads(models, monkeypatch):
     """ppo_eval's --baseline and prompt_eval's --model_name_or_path_finetune were refused only once that model loaded,
     after the first one had answered every prompt (a long wait with real models), and without their flag."""

@@ -262,14 +262,15 @@ def _no_reward_model(function):
 def check_reward_model(path):
     """A folder or hub name without a trained value head is an error: its scores, from a new random head, mean
     nothing. Step 3's critic is warned of: saved with a reward model's files, it scored as one, unsaid, though its head
-    learned PPO's value estimates rather than step 2's rewards."""
+    learned PPO's value estimates rather than step 2's rewards. A hub name's files are fetched once, for the head
+    (``hub_model_folder`` keeps them): the critic check reads the same files, no request of its own."""
     from dschat.models.loading import critic_given_as_reward_model
     from dschat.models.reward_model import VALUE_HEAD_FILES, has_trained_value_head
 
     if not has_trained_value_head(path):
         raise UsageError(f"{path}: not a reward model (no {VALUE_HEAD_FILES}): pass step 2's output folder, "
                          f"e.g. train.py's <output>/step2_rm")
-    if os.path.isdir(path) and (critic := critic_given_as_reward_model(path)):  # (a hub name's files: not asked again)
+    if critic := critic_given_as_reward_model(path):  # (a hub name's too: its reward_model.json "role")
         say_once(f"warning: {critic}")
 
 
