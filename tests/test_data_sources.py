@@ -2859,3 +2859,62 @@ def test_a_btrfs_files_content_hash_is_kept_though_its_device_is_not_its_mounts(
         local._mount_file_systems.cache_clear()
     assert len(hashed) == 1
     assert len(glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*"))) == 1
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "c4-train.00000-of-00001.json.gz"])
+def test_a_json_files_passed_check_is_kept_by_its_content_and_a_changed_file_is_checked_again(tmp_path, monkeypatch,
+                                                                                             name):
+    """A JSON file's line-by-line check (~50 MB of text a second) was made by every process of every run, though
+    datasets' load came from its Arrow cache: allenai/c4's en, ~800 GB of text, ~5 h of CPU a process. A passed check
+    is kept by the file's content now: a later process reads what it gave (record lines, key orders) without checking
+    the file; a changed file is checked again, its bad line named; a file whose hash later processes would not find
+    without reading it (a file system not known to keep a change time) is checked every time, as before, where it is
+    not a hub download's (its blob named by its hash)."""
+    import gzip
+
+    from dschat.data import local
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    path = tmp_path / name
+    rows = [{"prompt": "Weather?", "chosen": "Sun.", "meta": {"city": "Paris", "unit": "c"}},
+            {"prompt": "In F?", "chosen": "Hot.", "meta": {"unit": "f", "city": "Rome"}},
+            {"prompt": "Rain?", "chosen": "No."}]
+
+    def write(text):
+        path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+
+    write(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(row) + "\n" for row in rows[1:]))  # (a gap: line 2)
+    checked = []
+    check = local.check_jsonl_lines
+    monkeypatch.setattr(local, "check_jsonl_lines", lambda *args: checked.append(args[0]) or check(*args))
+
+    def read_in_a_new_process():
+        local.forget_file_digests()
+        return local.load_file("json" if name.endswith(".json.gz") else "jsonl", str(path))
+
+    first, lines = read_in_a_new_process()
+    again, kept_lines = read_in_a_new_process()
+    assert len(checked) == 1 and again[:] == first[:] and list(kept_lines) == list(lines) == [1, 3, 4]
+    assert list(again[1]["meta"]) == ["unit", "city"]  # (the key orders the check gathered: as written)
+    assert local.record_where(str(path), 2, kept_lines) == f"{path} line 4 (record 2)"
+    write("".join(json.dumps(row) + "\n" for row in rows))  # (no gap: lines kept as a range)
+    assert list(read_in_a_new_process()[1]) == [1, 2, 3] == list(read_in_a_new_process()[1]) and len(checked) == 2
+    write(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]) + "\n" + '{"prompt": "cut\n')
+    for _ in range(2):
+        with pytest.raises(DatasetFormatError, match=rf"{re.escape(str(path))} line 3: invalid JSON"):
+            read_in_a_new_process()
+    assert len(checked) == 4
+    on_file_system(monkeypatch, tmp_path, "overlay")
+    write("".join(json.dumps(row) + "\n" for row in rows[1:]))
+    read_in_a_new_process()
+    read_in_a_new_process()
+    assert len(checked) == 6
+    # (a hub download's file there too: its blob's name is its hash, which every process finds)
+    snapshot = hub_cache_snapshot(tmp_path / "hub", "datasets--allenai--c4")
+    snapshot.mkdir(parents=True)
+    path = path.replace(snapshot / name)
+    link_into_hub_cache(snapshot)
+    read_in_a_new_process()
+    read_in_a_new_process()
+    assert len(checked) == 7

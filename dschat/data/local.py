@@ -81,6 +81,7 @@ import os
 import re
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -474,6 +475,18 @@ MOUNTINFO = "/proc/self/mountinfo"
 _DIGESTS = {}  # {(absolute path, stamp): sha256} read or computed in this process (``forget_file_digests``)
 
 
+def shared_digest(path):
+    """The sha256 of the file at ``path`` as every later process finds it without reading the file: its hub blob's
+    name (``hub_blob_sha256``), or the hash kept under the stamp the file has now (``_digest_of_open_file``: on a file
+    system whose change time a write moves, hashed after its last write's racy window); else None."""
+    if blob := hub_blob_sha256(path):
+        return blob
+    with open(path, "rb") as f:
+        if not _keeps_change_time(f.fileno()):
+            return None
+        return _kept_digest(os.path.abspath(path), _stat_stamp(os.fstat(f.fileno())))
+
+
 def _digest_of_open_file(f, path):
     """The sha256 of the file ``f``, opened at ``path`` (absolute), under the stamp of the file opened (device, inode,
     size, modification and change times; ``os.fstat``, not a stat before the open: an NFS client's stat answers from
@@ -591,9 +604,13 @@ def _kept_digest(path, stamp):
 
 
 def _digest_memo_folder():
+    return _datasets_cache_folder(DIGEST_MEMO_FOLDER)
+
+
+def _datasets_cache_folder(name):
     import datasets
 
-    return os.path.join(datasets.config.HF_DATASETS_CACHE, DIGEST_MEMO_FOLDER)
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, name)
 
 
 def _digest_memo_path(path, stamp):
@@ -1241,31 +1258,36 @@ def check_jsonl_lines(path, key_orders=None):
     """
     record_lines, keys, constants = [], _KeysWrittenTwice(), _NotJsonNumbers()
     try:
-        with open_data_file(path, text_encoding(path)) as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                # a JSON array given as JSON Lines fails on its first line: said how to give it
-                array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
-                    line.lstrip().startswith("[") else ""
-                objects = keys.objects
-                try:  # (a record cut short is at its line's end, not the next)
-                    record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook,
-                                        parse_constant=constants.parse)
-                except json.JSONDecodeError as err:
-                    raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)}){array}") \
-                        from None
-                if not isinstance(record, dict):
-                    raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
-                                             f"{type(record).__name__}{array}")
-                keys.check(record, f"{path} line {line_number}")
-                constants.check(record, f"{path} line {line_number} (record {len(record_lines)})")
-                if key_orders is not None and keys.objects > objects + 1:  # (a flat record's: none to gather)
-                    key_orders.add(record)
-                record_lines.append(line_number)
+        for line_number, line in record_text_lines(path):
+            # a JSON array given as JSON Lines fails on its first line: said how to give it
+            array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
+                line.lstrip().startswith("[") else ""
+            objects = keys.objects
+            try:  # (a record cut short is at its line's end, not the next)
+                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook, parse_constant=constants.parse)
+            except json.JSONDecodeError as err:
+                raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)}){array}") \
+                    from None
+            if not isinstance(record, dict):
+                raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
+                                         f"{type(record).__name__}{array}")
+            keys.check(record, f"{path} line {line_number}")
+            constants.check(record, f"{path} line {line_number} (record {len(record_lines)})")
+            if key_orders is not None and keys.objects > objects + 1:  # (a flat record's: none to gather)
+                key_orders.add(record)
+            record_lines.append(line_number)
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
     return compact_lines(record_lines)
+
+
+def record_text_lines(path):
+    """(line number, line) of each line of a JSON Lines file's text that is not blank, numbered (from 1) as its check
+    and its errors number them (a compressed file's text: ``open_data_file``)."""
+    with open_data_file(path, text_encoding(path)) as f:
+        for line_number, line in enumerate(f, start=1):
+            if line.strip():
+                yield line_number, line
 
 
 def compact_lines(lines):
@@ -1446,17 +1468,107 @@ def check_compression_read(kind, path, where=None):
         raise compressed_error(path, tool, where, kind)
 
 
+# A JSON or JSON Lines file's check that passed (``checked_json``) is kept by the file's content (its sha256), in
+# datasets' cache beside the kept hashes: the check reads ~50 MB of text a second, and read it again every run where
+# datasets' load is its Arrow cache's (allenai/c4's en, ~800 GB of text: ~5 h of CPU a process). JSON_CHECK_VERSION:
+# bumped when what the checks accept, or what they give (``_check_as_kept``), changes, so an older pass is not taken.
+JSON_CHECK_MEMO_FOLDER, JSON_CHECK_VERSION = "dschat_json_checked", 1
+
+
+def checked_json(kind, path, key_orders):
+    """``check_jsonl_lines`` (``kind`` "jsonl") or ``check_json_document`` ("json") of the file at ``path``, its
+    objects' key orders gathered into ``key_orders``; or, where that check passed for the same content before (of this
+    process or an earlier one), what it gave then, the file not read (its record lines read again only for an error
+    that names one: ``RecordLinesOnDemand``). A pass is kept only where later processes find the file's hash without
+    reading it (``shared_digest``: a hub blob, or a hash kept under the file's stamp), and that hash is still the one
+    the check was looked up by: a file written while it was checked keeps nothing."""
+    digest = file_digest(path)  # (``load_content_keyed``'s key too: hashed once)
+    memo = _json_check_memo_path(kind, path, digest)
+    kept = _kept_json_check(memo)
+    if kept is not None:
+        key_orders.add_kept(kept["key_orders"])
+        return _record_lines_kept(kept["lines"], path)
+    record_lines = (check_jsonl_lines if kind == "jsonl" else check_json_document)(path, key_orders)
+    if shared_digest(path) == digest:
+        _keep_json_check(memo, path, _check_as_kept(record_lines, key_orders))
+    return record_lines
+
+
+def _json_check_memo_path(kind, path, digest):
+    """Where a passed check of a file of ``kind``, compressed as its name says (read decompressed:
+    ``open_data_file``), of the content ``digest``, is kept."""
+    name = hashlib.sha256(json.dumps([JSON_CHECK_VERSION, kind, data_file_extensions(path)[1].lower(),
+                                      digest]).encode()).hexdigest()
+    return os.path.join(_datasets_cache_folder(JSON_CHECK_MEMO_FOLDER), name[:2], name)
+
+
+def _check_as_kept(record_lines, key_orders):
+    """What a passed check gave, as JSON: its record lines as [first, count] where they run without a gap (a range:
+    ``compact_lines``), as {"count": N} where not (read again where asked for: ``RecordLinesOnDemand``), None for a
+    JSON array (records have no lines); and the key orders gathered."""
+    lines = None if record_lines is None else [record_lines.start, len(record_lines)] \
+        if isinstance(record_lines, range) else {"count": len(record_lines)}
+    return {"lines": lines, "key_orders": key_orders.as_json()}
+
+
+def _record_lines_kept(lines, path):
+    """The record lines of ``_check_as_kept``'s ``lines`` for the file at ``path``."""
+    if lines is None:
+        return None
+    if isinstance(lines, dict):
+        return RecordLinesOnDemand(path, lines["count"])
+    first, count = lines
+    return range(first, first + count)
+
+
+def _kept_json_check(memo):
+    """The passed check kept at ``memo`` (``_check_as_kept``'s dict), else None (none kept, or not readable)."""
+    try:
+        with open(memo, encoding="utf-8") as f:
+            kept = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) and {"lines", "key_orders"} <= kept.keys() else None
+
+
+def _keep_json_check(memo, path, kept):
+    """Write a passed check at ``memo`` whole (``atomic_file``), the file's path and stamp on its second line, as a kept
+    hash's, for pruning to remove it once the file is gone or written (``prune_kept_digests``; a copy of the content
+    elsewhere then checks it again). A cache folder not writable keeps nothing."""
+    with contextlib.suppress(OSError):
+        entry = json.dumps([os.path.abspath(path), *_stat_stamp(os.stat(path))])
+        with atomic_file(memo) as f:
+            f.write(f"{json.dumps(kept)}\n{entry}")  # (ASCII: as pruning reads it)
+    _prune_now_and_then(_datasets_cache_folder(JSON_CHECK_MEMO_FOLDER))
+
+
+class RecordLinesOnDemand(Sequence):
+    """The record line numbers of a JSON Lines file whose records are not on lines without a gap, its check kept
+    (``checked_json``): their count is known, and the numbers are read from the file (``record_text_lines``) only when
+    one is asked for (an error naming a record's line)."""
+
+    def __init__(self, path, count):
+        self.path, self.count, self._lines = path, count, None
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        if self._lines is None:
+            self._lines = [line_number for line_number, _ in record_text_lines(self.path)]
+        return self._lines[index]
+
+
 def load_file(kind, path):
     """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder; a JSON file named
     compressed (x.jsonl.gz, a hub download's SUBSET/train.jsonl.gz), checked as it is decompressed, a line at a time
-    (``open_data_file``), as a plain one is, then read by datasets' json loader, which decompresses it too."""
+    (``open_data_file``), as a plain one is, then read by datasets' json loader, which decompresses it too. A JSON
+    file's check that passed for its content before is not made again (``checked_json``)."""
     check_compression_read(kind, path)
     record_lines = header = None
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
-    if kind == "jsonl":
-        record_lines = check_jsonl_lines(path, key_orders)
-    elif kind == "json":
-        record_lines = check_json_document(path, key_orders)
+    if kind in ("json", "jsonl"):
+        record_lines = checked_json(kind, path, key_orders)
     elif kind == "csv":
         header, record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
@@ -1779,6 +1891,17 @@ class _KeyOrders:
             for item in value:
                 if isinstance(item, (dict, list)):
                     self._add(places, inside, item)
+
+    def as_json(self):
+        """The orders gathered, as JSON ({column: [[place, [keys, ...]], ...]}: ``checked_json`` keeps them)."""
+        return {name: [[list(place), [list(keys) for keys in orders]] for place, orders in places.items()]
+                for name, places in self.orders.items()}
+
+    def add_kept(self, kept):
+        """Gather the orders ``as_json`` wrote."""
+        for name, places in kept.items():
+            for place, orders in places:
+                self.orders.setdefault(name, {}).setdefault(tuple(place), set()).update(map(tuple, orders))
 
     def reordered_columns(self, features, names):
         """The columns among ``names`` (of datasets' ``features``) of which an object writes its keys in another order
