@@ -537,6 +537,36 @@ def test_a_broken_line_of_a_compressed_file_given_by_its_path_is_named_by_file_a
         raw(packed_csv, tmp_path)
 
 
+def test_a_file_named_compressed_that_is_not_is_said_so_not_called_a_file_cut_short(tmp_path):
+    """train.jsonl.gz holding the plain JSON Lines text was "not readable as gzip data, as its name says it is (Not a
+    gzipped file (b'{"')): a file cut short? download or compress it again": it is no file cut short. Data of no
+    compression, or of another, is said to be no gzip data, with the name to give it; a stream cut short is said so
+    still, and one damaged inside is said to be damaged."""
+    import bz2
+    import gzip
+
+    text = "".join(json.dumps(r) + "\n" for r in RECORDS[:4])
+    path = tmp_path / "train.jsonl.gz"
+    said = re.escape(f"{path}: not gzip data, though its name says it is")
+    for data, advice in ((text.encode(), rf" \(Not a gzipped file .*\): where it is the uncompressed file, name it so "
+                                         rf"\(mv {re.escape(str(path))} {re.escape(str(tmp_path / 'train.jsonl'))}\)"),
+                         (bz2.compress(text.encode()), rf": it is compressed with bzip2; name it so \(mv "
+                                                       rf"{re.escape(str(path))} {re.escape(str(tmp_path))}/train\.jsonl"
+                                                       r"\.bz2\)")):
+        path.write_bytes(data)
+        with pytest.raises(DatasetFormatError, match=f"^{said}{advice}$"):
+            raw(str(path), tmp_path)
+    packed = gzip.compress(text.encode())
+    path.write_bytes(packed[:-12])
+    with pytest.raises(DatasetFormatError, match=r"not readable as gzip data, as its name says it is \(Compressed "
+                                                 r"file ended .*\): a file cut short\? download or compress it again$"):
+        raw(str(path), tmp_path)
+    path.write_bytes(packed[:-8] + bytes(b ^ 0xFF for b in packed[-8:-4]) + packed[-4:])  # (its CRC: not the data's)
+    with pytest.raises(DatasetFormatError, match=r"not readable as gzip data, as its name says it is \(CRC check "
+                                                 r"failed.*\): its data is damaged; download or compress it again$"):
+        raw(str(path), tmp_path)
+
+
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
     """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
     said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its

@@ -1157,8 +1157,30 @@ def open_data_file(path, encoding=None):
     except UsageError:
         raise  # (the reader's own errors: MissingInputError is an OSError too)
     except DECOMPRESSION_ERRORS as err:
-        raise DatasetFormatError(f"{path}: not readable as {COMPRESSED_EXTENSIONS[packed]} data, as its name says it "
-                                 f"is ({err}): a file cut short? download or compress it again") from err
+        raise undecompressable_error(path, packed, err) from err
+
+
+def undecompressable_error(path, packed, err):
+    """The error for the file at ``path``, named compressed (``packed``: its extension, ``PACKED_JSON``), whose data
+    did not decompress (``err``): a stream cut short (EOFError: a download stopped); data not of that compression, by
+    its first bytes (``compressed_with``): another's, said with the name to give it, or none (JSON named .gz), said
+    with the plain file's name (it was "a file cut short?", which it is not); else a stream damaged inside."""
+    tool = COMPRESSED_EXTENSIONS[packed]
+    if isinstance(err, EOFError):
+        return DatasetFormatError(f"{path}: not readable as {tool} data, as its name says it is ({err}): a file cut "
+                                  "short? download or compress it again")
+    held = compressed_with(path)
+    if held == tool:
+        return DatasetFormatError(f"{path}: not readable as {tool} data, as its name says it is ({err}): its data is "
+                                  "damaged; download or compress it again")
+    plain = path[:-len(packed)]
+    if held is None:
+        return DatasetFormatError(f"{path}: not {tool} data, though its name says it is ({err}): where it is the "
+                                  f"uncompressed file, name it so (mv {path} {plain})")
+    if held in PACKED_JSON_EXTENSIONS:
+        return DatasetFormatError(f"{path}: not {tool} data, though its name says it is: it is compressed with "
+                                  f"{held}; name it so (mv {path} {plain}{PACKED_JSON_EXTENSIONS[held]})")
+    return compressed_error(path, held)
 
 
 def text_encoding(path):
