@@ -567,6 +567,24 @@ def test_a_file_named_compressed_that_is_not_is_said_so_not_called_a_file_cut_sh
         raw(str(path), tmp_path)
 
 
+def test_a_misnamed_compressed_csv_is_told_a_command_that_decompresses_it(tmp_path):
+    """x.csv holding gzip was told to run `gunzip -k x.csv`, which gunzip refuses ("unknown suffix -- ignored"); it is
+    told to name it x.csv.gz first now, and the command given writes x.csv, read as the plain file."""
+    import gzip
+    import subprocess
+
+    csv_text = pd.DataFrame(RECORDS).to_csv(index=False)
+    path = tmp_path / "x.csv"
+    path.write_bytes(gzip.compress(csv_text.encode()))
+    with pytest.raises(DatasetFormatError, match=r"the file is compressed with gzip, which dschat does not read here "
+                                                 r".*: decompress it \((.*)\) and give the file that writes$") as error:
+        raw(str(path), tmp_path)
+    command = re.search(r"decompress it \((.*)\) and give", str(error.value)).group(1)
+    assert command == f"mv {path} {path}.gz && gunzip -k {path}.gz"
+    subprocess.run(command, shell=True, check=True)
+    assert path.read_text() == csv_text and len(raw(str(path), tmp_path).raw_datasets["train"]) == len(RECORDS)
+
+
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
     """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
     said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its

@@ -1434,6 +1434,7 @@ COMPRESSED_MAGIC = {rb"\x1f\x8b": "gzip", rb"BZh[1-9]1AY&SY": "bzip2", rb"\xfd7z
                     rb"\x28\xb5\x2f\xfd": "zstd", rb"PK\x03\x04": "zip"}
 COMPRESSED_EXTENSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zip": "zip"}
 DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
+TOOL_EXTENSIONS = {tool: extension for extension, tool in COMPRESSED_EXTENSIONS.items()}
 
 
 # the extension that names each compression of JSON dschat reads (``PACKED_JSON``): gzip's .gz
@@ -1451,7 +1452,18 @@ def compressed_error(path, tool, where=None, kind=None):
                                   f"name it so (mv {path} {path}{extension}), and it is read decompressed")
     return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read here "
                               "(it reads JSON and JSON Lines compressed with gzip, bzip2 or xz, named so: x.jsonl.gz): "
-                              f"decompress it ({DECOMPRESS[tool]} {path}) and give the file that writes")
+                              f"decompress it ({decompress_command(path, tool)}) and give the file that writes")
+
+
+def decompress_command(path, tool):
+    """The shell command that decompresses the file at ``path``, compressed with ``tool``, beside it. gunzip, unxz and
+    unzstd refuse a file not named with their extension (x.csv holding gzip: `gunzip -k x.csv`, "unknown suffix --
+    ignored"), and bunzip2 writes x.csv.out: such a file is named so first, and the plain file is written under its
+    name. (unzip reads an archive of any name.)"""
+    extension = TOOL_EXTENSIONS[tool]
+    if tool == "zip" or path.endswith(extension):
+        return f"{DECOMPRESS[tool]} {path}"
+    return f"mv {path} {path}{extension} && {DECOMPRESS[tool]} {path}{extension}"
 
 
 def check_folder_not_compressed(folder, where=None):
@@ -1466,7 +1478,7 @@ def check_folder_not_compressed(folder, where=None):
     train = next((path for path, _ in found if os.path.basename(path).startswith("train.")), None)
     if train is None:
         return
-    commands = " && ".join(f"{DECOMPRESS[tool]} {path}" for path, tool in found)
+    commands = " && ".join(decompress_command(path, tool) for path, tool in found)
     raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is compressed with "
                              f"{COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]}, which dschat does not read: "
                              f"decompress its files ({commands}) and give the folder again")

@@ -16,9 +16,9 @@ import re
 from dschat.errors import MissingInputError, UsageError, given_as
 from .base import hub_cache_snapshot, load_hub_dataset_else_download, splits_said
 from .errors import DatasetFormatError
-from .local import (COMPRESSED_EXTENSIONS, DECOMPRESS, all_files, caused_by, check_compression_read, compressed_with,
-                    data_spec_where, file_digest, holds_no_bytes, load_content_keyed, load_file, not_utf8_error,
-                    only_blank_lines, record_where, text_encoding)
+from .local import (COMPRESSED_EXTENSIONS, all_files, caused_by, check_compression_read, compressed_with,
+                    data_spec_where, decompress_command, file_digest, holds_no_bytes, load_content_keyed, load_file,
+                    not_utf8_error, only_blank_lines, record_where, text_encoding)
 from .pipeline import print_skip_lines
 
 # (CSV and parquet as the prompt data's files: a .csv or .parquet path was looked up on the hub)
@@ -210,7 +210,7 @@ def _text_file_lines(path):
             tool = compressed_with(path)  # (datasets unpacks a compressed text file: its bytes are not the text's)
             if tool:
                 raise DatasetFormatError(f"{path}: the text compressed in it ({tool}) is not UTF-8: decompress it "
-                                         f"({DECOMPRESS[tool]} {path}) and save the text as UTF-8") from err
+                                         f"({decompress_command(path, tool)}) and save the text as UTF-8") from err
             raise not_utf8_error(path) from err
         raise DatasetFormatError(f"{path}: could not be read as text: {err}") from err
 
