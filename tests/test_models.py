@@ -247,19 +247,6 @@ def test_saving_an_rwkv_model_whose_rescaled_weights_are_quantized_is_refused_be
     assert not (tmp_path / "lm").exists()
 
 
-@pytest.fixture
-def transformers_rwkv_steps(monkeypatch):
-    """transformers' own RWKV one-token step methods in place (a test before may have put dschat's fix in) and the
-    probe not yet run; both as they were after the test."""
-    from dschat import compat
-
-    for (cls, name), method in compat._RWKV_TRANSFORMERS_METHODS.items():
-        monkeypatch.setattr(cls, name, method)
-    for (cls, name) in compat._rwkv_one_token_step_fixes():
-        monkeypatch.setattr(cls, name, getattr(cls, name))  # (put back after the test, whatever it put in)
-    monkeypatch.setattr(compat, "_RWKV_ROWS_APART", {})
-
-
 def _rwkv_step_logits(lm, prompts, tokens):
     """The logits of one decode step of ``tokens`` ((B, 1)) after ``prompts`` ((B, P)), from their cached state."""
     state = lm(input_ids=prompts, use_cache=True).state
@@ -297,16 +284,19 @@ def test_rwkvs_batched_one_token_decode_keeps_rows_apart_with_the_fix(transforme
             assert torch.equal(answers[row:row + 1], lm.generate(prompts[row:row + 1], **call))
 
 
-@pytest.fixture
-def transformers_xlstm_cache(monkeypatch):
-    """transformers' own ``xLSTMCache.__init__`` in place (a test before may have put dschat's fix in); both as they
-    were after the test."""
-    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
-
+def test_rwkvs_decode_probe_reads_none_of_the_models_weights(transformers_rwkv_steps):
+    """The probe ran a decode step on the model's first block: under ZeRO-3 on several ranks that block's weights are
+    partitions, which a rank probing alone (its first HF generate, an evaluation of its own) fetched alone, one
+    collective apart from the other ranks. It runs on a tiny block of its own now, its weights set, not drawn: a model
+    whose weights are nowhere (the meta device) is probed alike, the fix goes in, and the random state is untouched."""
     from dschat import compat
 
-    monkeypatch.setattr(xLSTMCache, "__init__", compat._XLSTM_TRANSFORMERS_CACHE_INIT.get("init", xLSTMCache.__init__))
-    monkeypatch.setattr(compat, "_XLSTM_TRANSFORMERS_CACHE_INIT", {})
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(_rwkv_config())
+    random_state = torch.get_rng_state()
+    assert compat.rwkv_decode_keeps_rows_apart(lm)
+    assert torch.equal(torch.get_rng_state(), random_state)
+    assert all(getattr(cls, name) is fix for (cls, name), fix in compat._rwkv_one_token_step_fixes().items())
 
 
 def _tiny_xlstm(hidden_size):
