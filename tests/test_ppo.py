@@ -4962,6 +4962,40 @@ def test_rwkv_rows_of_one_prompt_length_generate_together_where_its_decode_keeps
     assert torch.equal(seq[:, :5], ids) and torch.equal(seq[:, 5:], torch.stack(alone))
 
 
+@pytest.mark.parametrize("family", ["rwkv", "xlstm"])
+@pytest.mark.parametrize("fallback", ["no pad id", "no mask"])
+def test_a_batch_generated_as_it_is_gets_rwkvs_and_xlstms_mends_too(family, fallback, transformers_rwkv_steps,
+                                                                      transformers_xlstm_cache):
+    """Where HF generate takes the batch as it is (no pad id, no mask; a hole or ``synced_gpus`` alike), RWKV's decode
+    and xLSTM's cache were mended only if an earlier call had taken rows apart in this process: RWKV's batch answers
+    then mixed the rows, and xLSTM's call failed ("matC_old has wrong shape"). The mends now go in at every call, and
+    unpadded rows generated together answer as each alone."""
+    from dschat.rlhf.trainer import hf_generate
+
+    model = {"rwkv": _tiny_rwkv_actor, "xlstm": _tiny_xlstm}[family]()
+    pad_id = None if fallback == "no pad id" else 0
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": pad_id})()
+    ids = torch.tensor([[10, 11, 12, 13], [30, 31, 32, 33], [50, 51, 52, 53]])
+    mask = None if fallback == "no mask" else torch.ones_like(ids)
+    call = dict(max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
+    with torch.no_grad():
+        seq = hf_generate(model, tokenizer)(ids, attention_mask=mask, **call)
+        alone = [model.generate(ids[row:row + 1], attention_mask=torch.ones_like(ids[:1]), **call) for row in range(3)]
+    assert torch.equal(seq, torch.cat(alone))
+
+
+@pytest.mark.multirank
+def test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone(tmp_path):
+    """Under ZeRO-3 on several ranks HF generate takes the batch as it is (``synced_gpus``), and RWKV's decode was
+    mended only where a rank generated alone: step 3's RWKV rollouts there mixed the rows (tokens 2 on of each
+    answer). tests/scripts/rwkv_zero3_generate.py: each rank's answers to prompts of one length equal each prompt's
+    alone without ZeRO."""
+    proc = run_deepspeed(REPO / "tests" / "scripts" / "rwkv_zero3_generate.py", "--folder", tmp_path / "rwkv",
+                         timeout=300)
+    for rank in (0, 1):
+        assert f"rank {rank} answers as each prompt alone: OK" in proc.stdout, proc.stdout[-3000:]
+
+
 def _tiny_deepseek_v4_actor():
     """DeepSeek-V4 whose compressed sparse attention pools every 4 tokens and whose indexer picks 2 of the pools, with
     a sliding window of 16: all reached by 20 tokens."""
@@ -4992,18 +5026,24 @@ def _tiny_recurrent_gemma_actor():
     return model
 
 
-def _tiny_xlstm_actor():
-    """xLSTM 64 wide, its cache mended: its query/key heads (64 * 0.5 / 4 = 8) are narrower than transformers' cache
-    makes their states, and a forward with a cache failed, one row too (tests/test_models.py)."""
+def _tiny_xlstm():
+    """xLSTM 64 wide: its query/key heads (64 * 0.5 / 4 = 8) are narrower than transformers' cache makes their states,
+    and a forward with a cache failed, one row too (tests/test_models.py)."""
     from transformers import AutoModelForCausalLM, xLSTMConfig
-
-    from dschat.compat import xlstm_cache_fits_its_layers
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(xLSTMConfig(
         vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=4, bos_token_id=None, eos_token_id=None,
         pad_token_id=None)).eval()
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+def _tiny_xlstm_actor():
+    """``_tiny_xlstm``, its cache mended."""
+    from dschat.compat import xlstm_cache_fits_its_layers
+
+    model = _tiny_xlstm()
     assert xlstm_cache_fits_its_layers(model)
     return model
 

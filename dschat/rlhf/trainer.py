@@ -289,7 +289,10 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     prompt length together where the family's batched decode keeps rows apart (``decodes_rows_apart``), else one row
     at a time. The answers come back after the prompts as the caller gave them, right-padded with the pad id, as one
     batched call returns them. Where that cannot be (``synced_gpus``, HF's default on several ranks: every rank must
-    make as many calls; a prompt with no token or a hole; no pad id) the batch generates as it is, said once."""
+    make as many calls; a prompt with no token or a hole; no pad id) the batch generates as it is, said once, with
+    RWKV's decode and xLSTM's cache mended all the same (``decodes_rows_apart``), so that its unpadded rows' answers
+    are each row's own."""
+    together = decodes_rows_apart(model)  # (first: its mends serve the batch generated as it is too)
     pad_id = kwargs.get("pad_token_id", getattr(model.generation_config, "pad_token_id", None))
     synced = kwargs.get("synced_gpus")
     synced = get_world_size() > 1 if synced is None else synced
@@ -300,7 +303,7 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     width = input_ids.shape[1]
     answers = [(rows, generate(input_ids[rows, width - length:], attention_mask=attention_mask[rows, width - length:],
                                **kwargs)[:, length:])
-               for rows, length in rows_to_generate_together(lengths, decodes_rows_apart(model))]
+               for rows, length in rows_to_generate_together(lengths, together)]
     seq = input_ids.new_full((input_ids.shape[0], width + max(a.shape[1] for _, a in answers)), pad_id)
     seq[:, :width] = input_ids
     for rows, answer in answers:
@@ -320,7 +323,8 @@ def decodes_rows_apart(model):
     together, as each alone: RecurrentGemma's and DeepSeek-V4's (``BATCHED_DECODE_KEEPS_ROWS_APART``); RWKV's where its
     one-token decode step keeps a batch's rows apart (transformers' mixes them up to 5.25 at least; dschat's fix:
     ``compat.rwkv_decode_keeps_rows_apart``); xLSTM's where its cache fits its layers (transformers' misfits some
-    sizes, one row too; dschat's fix: ``compat.xlstm_cache_fits_its_layers``), else one row at a time."""
+    sizes, one row too; dschat's fix: ``compat.xlstm_cache_fits_its_layers``), else one row at a time. Those fixes
+    go in here, for the process; their probes read no weights, so any rank may run them, under ZeRO-3 too."""
     from dschat.compat import rwkv_decode_keeps_rows_apart, xlstm_cache_fits_its_layers
 
     model_type = getattr(model.config, "model_type", None)
