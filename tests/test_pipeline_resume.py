@@ -374,6 +374,33 @@ def test_an_older_dschats_checkpoint_trains_afresh_where_a_change_reaches_its_mo
     assert older_dschats_checkpoint(root, "step_0000001", "step2") is not None  # (unknown)
 
 
+def test_a_tiny_presets_family_is_known_so_an_older_checkpoint_no_change_reaches_resumes_unsaid(tmp_path,
+                                                                                                 monkeypatch):
+    """A tiny preset (dschat's CPU default, "tiny-opt") has no config.json to read where the step names it: the
+    families of a step that loads one were unknown, so an older dschat's checkpoint that no change since reaches (step
+    2's RWKV-only change, an OPT model) resumed with the note that its step "may have trained otherwise", where the
+    same model in a folder resumes unsaid. A preset's family is its config's; a folder of that name wins, as it does
+    when the model loads (``resolve_model_path``)."""
+    from dschat.steps.common import loaded_model_types
+    from dschat.utils.checkpoints import older_dschats_checkpoint
+
+    finish(tmp_path, 1, 100), checkpoint(tmp_path, 2, 150)
+    root = str(tmp_path / FOLDERS[2] / "checkpoints")
+    state_file = Path(trainer_folder(root, "step_0000001")) / "state.json"
+    state_file.write_text(json.dumps({**this_checkpoint(2), STEP_VERSION: STEP_VERSIONS["step2"] - 1}))
+    flags = Namespace(**{**vars(FLAGS), "model_name_or_path": "tiny-opt"})
+
+    assert loaded_model_types(flags) == frozenset({"opt"})
+    assert loaded_model_types(Namespace(model_name_or_path="dschat/tiny-llama")) == frozenset({"llama"})
+    assert plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: flags, 3: FLAGS})[2] == \
+        (RESUME, "it was interrupted")
+    assert older_dschats_checkpoint(root, "step_0000001", "step2", families=loaded_model_types(flags)) is None
+    monkeypatch.chdir(tmp_path)  # (a folder named as a preset is the model the step loads)
+    (tmp_path / "tiny-opt").mkdir()
+    (tmp_path / "tiny-opt" / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
+    assert loaded_model_types(flags) == frozenset({"rwkv"})
+
+
 def test_an_older_step3_checkpoint_trains_afresh_where_a_change_reaches_one_of_its_models(tmp_path):
     """Step 3 alike: its actor's family, its critic's (with GAE) and its reward model's; a change of flags the
     checkpoint's state cannot tell (version 2's, --enable_ema) still resumes it with the note."""

@@ -2199,8 +2199,9 @@ def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_r
                                                                                       monkeypatch, capsys):
     """A step's checkpoint recorded no step version (STEP_VERSIONS): one an older dschat saved, whose step may have
     trained otherwise, resumed unsaid, and the output recorded this dschat's version; one of a newer dschat resumed as
-    well. It records the version now; an older one, or none, resumes with one line saying so, a newer one is an error
-    naming its state.json, before the step's model loads (it came once the model had: minutes on a large one)."""
+    well. It records the version now; an older one that a change since reaches (by the families of its models: a
+    tiny preset's is known), or none, resumes with one line saying so, a newer one is an error naming its state.json,
+    before the step's model loads (it came once the model had: minutes on a large one)."""
     from dschat.steps.common import STEP_VERSIONS
 
     common = [*SMALL, "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "rm"),
@@ -2225,17 +2226,20 @@ def test_a_checkpoint_of_an_older_dschat_resumes_saying_so_and_a_newer_ones_is_r
         f"step's version (no step_version in {state_file}); resumed all the same, though its step may have trained "
         "otherwise until step_0000002"]
     monkeypatch.setitem(STEP_VERSIONS, "step2", 2)
-    assert resumed_with(1) == [
-        f"[step2] --resume: checkpoint step_0000002 in {root} is an older dschat's (step_version 1 of step2, 2 now: "
+    # (version 2 changed RWKV models alone: the tiny preset's family, Llama, is known without a folder of its own)
+    assert resumed_with(1) == []
+    monkeypatch.setitem(STEP_VERSIONS, "step2", 3)  # (a version with no STEP_VERSION_CHANGES entry: every model's)
+    assert resumed_with(2) == [
+        f"[step2] --resume: checkpoint step_0000002 in {root} is an older dschat's (step_version 2 of step2, 3 now: "
         "STEP_VERSIONS in dschat/steps/common.py says what changed); resumed all the same, though its step may have "
         "trained otherwise until step_0000002"]
     models = []
     load = reward.create_critic_model
     monkeypatch.setattr(reward, "create_critic_model", lambda *a, **k: models.append(1) or load(*a, **k))
-    with pytest.raises(UsageError, match=rf"{state_file} records step_version 3 of step2, which this dschat does not "
-                                         r"know \(its latest is 2\): a newer dschat's checkpoint, .* train step2 "
+    with pytest.raises(UsageError, match=rf"{state_file} records step_version 4 of step2, which this dschat does not "
+                                         r"know \(its latest is 3\): a newer dschat's checkpoint, .* train step2 "
                                          r"afresh with this one \(without --resume"):
-        resumed_with(3)
+        resumed_with(4)
     assert models == []
 
 

@@ -547,12 +547,17 @@ def _reward_model_path(flags, cwd):
 
 
 def _model_type_in(path):
-    """config.model_type of the model in folder or hub name ``path``, from its config.json on this machine (a hub
-    model's in the hub cache: no download); None where it cannot be read."""
+    """config.model_type of the model in folder, tiny preset or hub name ``path``, from its config.json on this
+    machine (a hub model's in the hub cache: no download; a preset's config, a folder of its name first, as the model
+    loads: ``resolve_model_path``); None where it cannot be read."""
     if path is None:
         return None
     config = os.path.join(path, "config.json")
     if not os.path.isdir(path):
+        from dschat.tiny.presets import tiny_preset_model_type
+
+        if (preset := tiny_preset_model_type(path)) is not None:
+            return preset
         from huggingface_hub import try_to_load_from_cache
 
         try:

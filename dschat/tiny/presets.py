@@ -83,6 +83,13 @@ def is_tiny_preset(name):
     return tiny_preset_name(name) is not None
 
 
+def tiny_preset_model_type(name):
+    """config.model_type of preset ``name`` ("tiny-llama": "llama"), None for anything else: a preset has no
+    config.json to read where a step names it (its folder is built when it loads)."""
+    preset = tiny_preset_name(name)
+    return TINY_PRESETS[preset]().model_type if preset is not None else None
+
+
 def _marker(preset, seed):
     # The tokenizer's hash is part of the identity: a regenerated tokenizer must rebuild the models.
     return {"preset": preset, "seed": seed, "tokenizer_sha256": hashlib.sha256(TOKENIZER_FILE.read_bytes()).hexdigest()}
