@@ -639,8 +639,8 @@ def test_rw_eval_and_prompt_eval_read_a_hub_dataset_without_an_eval_split_for_th
     """Dahoas/synthetic-instruct-gptj-pairwise and openai/webgpt_comparisons have no eval split: training holds out
     the 10% of their train split its --seed chooses and trains on the rest, but rw_eval --pairs_file and prompt_eval
     --prompts_file read all of the train split, pairs and prompts the steps trained on among them. They read the
-    share the training seed held out now: rw_eval's --seed (the step-2 run's by default), prompt_eval the steps'
-    default, said on stdout."""
+    share the training seed held out now: rw_eval's --seed (the step-2 run's by default), prompt_eval's without a seed
+    the steps' default, said on stdout."""
     from types import SimpleNamespace
 
     from datasets import Dataset, DatasetDict
@@ -670,7 +670,7 @@ def test_rw_eval_and_prompt_eval_read_a_hub_dataset_without_an_eval_split_for_th
     run.mkdir()
     step2, _ = _step2_run_reading(reward_model, run, name, monkeypatch)
     assert rw_eval.parse_args(["--model_name_or_path", str(step2), "--pairs_file", name])[0].seed == 7
-    # prompt_eval has no data seed: the steps' default one
+    # prompt_eval given no seed (and no run's): the steps' default one
     records, _ = select_records(SimpleNamespace(prompts=None, prompts_file=name, data_fields="", num_prompts=8))
     default_held_out, default_trained = held_out_and_trained(1234)
     assert [r.chosen for r in records] == default_held_out != held_out
@@ -679,6 +679,51 @@ def test_rw_eval_and_prompt_eval_read_a_hub_dataset_without_an_eval_split_for_th
     from dschat.tools.records import seed_holds_out  # (the same for the other hub dataset without an eval split)
 
     assert seed_holds_out("openai/webgpt_comparisons") and not seed_holds_out("stanfordnlp/SHP")
+
+
+def test_prompt_eval_reads_the_share_its_fine_tuned_models_run_seed_held_out(tmp_path, capsys, monkeypatch):
+    """prompt_eval --prompts_file of a hub dataset without an eval split read the share the steps' default --seed 1234
+    holds out whatever seed the fine-tuned model trained with: a run with --seed 7 held out other rows, and trained on
+    some of those compared as held-out prompts. It takes the seed the model's run recorded (said), or its --seed."""
+    from datasets import Dataset, DatasetDict
+
+    from dschat.data.raw_datasets import get_raw_dataset
+    from dschat.run_layout import RUN_ARGS_FILE
+    from dschat.tiny.presets import create_tiny_model
+    from dschat.tools import prompt_eval
+
+    name = "Dahoas/synthetic-instruct-gptj-pairwise"
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"Name color {i}.", "chosen": f"red {i}", "rejected": f"no {i}"} for i in range(50)]
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(name)
+    sft = create_tiny_model("tiny-llama", tmp_path / "run" / "step1_sft")
+    (tmp_path / "run" / "step1_sft" / RUN_ARGS_FILE).write_text(json.dumps({
+        "step": "step1", "cwd": str(tmp_path), "flags": {"data_path": [name], "seed": 7}}))
+
+    def held_out(seed):
+        return [f"Name color {r['chosen'].split()[1]}." for r in get_raw_dataset(name, None, seed, -1).get_eval_data()]
+
+    def compared(*flags):
+        result = prompt_eval.main(["--model_name_or_path_baseline", sft, "--model_name_or_path_finetune",
+                                   str(tmp_path / "run"), "--prompts_file", name, "--max_new_tokens", "1", *flags])
+        return [messages[-1]["content"] for messages in result["prompts"]]
+
+    assert held_out(7) != held_out(1234)
+    assert compared() == held_out(7)
+    out = capsys.readouterr().out
+    assert (f"[prompt_eval] --seed 7: the fine-tuned model's run's (from {tmp_path / 'run' / 'step1_sft' / RUN_ARGS_FILE})"
+            in out)
+    assert "the 10% of its train split --seed 7 holds out" in out
+    # a --seed given wins, and chooses the held-out rows: no "no effect on greedy decoding" for it
+    assert compared("--seed", "1234") == held_out(1234)
+    assert "no effect" not in capsys.readouterr().err
+    # a PPO actor's run record is its step-3 folder's, above it
+    from dschat.tools.common import model_run_record
+
+    actor = tmp_path / "run" / "step3_ppo" / "actor"
+    actor.mkdir(parents=True)
+    (actor.parent / RUN_ARGS_FILE).write_text(json.dumps({"step": "step3", "flags": {"seed": 9}}))
+    assert model_run_record(str(actor)) == ({"step": "step3", "flags": {"seed": 9}}, str(actor.parent / RUN_ARGS_FILE))
 
 
 def test_rw_eval_says_an_answer_max_seq_len_cut_before_scoring_it(reward_model, tmp_path, capsys):

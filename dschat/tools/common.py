@@ -127,6 +127,21 @@ def find_policy_path(path, report=None):
     return found
 
 
+def model_run_record(path):
+    """(the training_args.json record of the step run that saved the model folder ``path``, that file's path), else
+    (None, None): the folder's own (step 1's, step 2's, DPO's), else, for step 3's actor or its EMA copy, the step-3
+    folder's above it. A hub name or a notebook's save has none."""
+    from dschat.run_layout import ACTOR_EMA_DIR, RUN_ARGS_FILE
+    from dschat.steps.common import read_run_args
+
+    folder = os.path.abspath(os.path.expanduser(path))
+    step_folder = [os.path.dirname(folder)] if os.path.basename(folder) in (ACTOR_DIR, ACTOR_EMA_DIR) else []
+    for each in (folder, *step_folder):
+        if (run := read_run_args(each)) is not None:
+            return run, os.path.join(each, RUN_ARGS_FILE)
+    return None, None
+
+
 def policy_fallbacks(reported, unfinished):
     """The subfolders of a run folder taken, in order, where its ``reported`` policy holds no model: an
     ``unfinished`` train.py run's (not written yet) falls back to its SFT model, which every recipe starts from, first;
@@ -421,8 +436,10 @@ def say_unused_sampling_flags(args):
     """Sampling flags given to a greedy decoding (a tool's default, or --greedy) change nothing: said once. A --top_k
     of 0 or below is no filtering (``top_k_flag``), as is the default: nothing to say. --seed seeds only sampling
     (greedy answers are the same whatever it is): given with --greedy it was taken in silence."""
+    # (prompt_eval's --seed also chooses the held-out rows it reads, ``held_out_seed``: not "no effect" there)
+    seed_reads_data = getattr(args, "held_out_seed", None) is not None
     sampling = {"temperature": args.temperature != 1.0, "top_k": top_k_flag(args.top_k) != 0,
-                "top_p": args.top_p != 1.0, "seed": args.seed is not None}
+                "top_p": args.top_p != 1.0, "seed": args.seed is not None and not seed_reads_data}
     given = [f"--{name} {getattr(args, name)}" for name, changes in sampling.items() if changes]
     if given:
         say_once(f"warning: {', '.join(given)}: no effect on greedy decoding (add --do_sample to sample)")

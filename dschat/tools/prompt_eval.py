@@ -14,25 +14,43 @@ from dschat.models.positions import context_limit
 from dschat.report import counted
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
                                  check_room_for_a_prompt, check_stdout_open, config_before_loading, empty_answer_note,
-                                 find_policy_path, flag_path, generation_kwargs, load_policy, non_empty_path,
-                                 one_process, tool_prompt)
+                                 find_policy_path, flag_path, generation_kwargs, load_policy, model_run_record,
+                                 non_empty_path, one_process, tool_prompt)
 from dschat.tools.generation import encode_prompts, generate_answers_and_cuts
 from dschat.tools.records import (check_count_read, check_data_fields_read, is_tiny_held_out, load_records,
-                                  prompt_record, tiny_held_out_records)
+                                  prompt_record, recorded_seed, seed_holds_out, tiny_held_out_records)
 
 ROLES = ("baseline", "finetune")
 RULE = "=" * 30
 
 
-def select_records(args):
-    """(records, whether they are the tiny held-out data and so rule-scorable)."""
+def select_records(args, seed=None):
+    """(records, whether they are the tiny held-out data and so rule-scorable); ``seed``: the training --seed whose
+    held-out share of a hub dataset without an eval split is read (``held_out_seed``; None: the steps' default)."""
     if args.prompts:
         return [prompt_record(p, "--prompts") for p in args.prompts], False
     if args.prompts_file:
         # the embedded held-out data named as a file ("tiny" or its path) is scored as when it is the default
-        records = load_records(args.prompts_file, args.data_fields, args.num_prompts, "--prompts_file")
+        records = load_records(args.prompts_file, args.data_fields, args.num_prompts, "--prompts_file", seed)
         return records, is_tiny_held_out(args.prompts_file)
     return tiny_held_out_records(args.num_prompts), True
+
+
+def held_out_seed(args, finetune_path):
+    """The training --seed whose held-out 10% of --prompts_file is read where it is a hub dataset without an eval split
+    (``seed_holds_out``), else None: --seed where given, else the seed the fine-tuned model's run recorded (said),
+    else None (``load_records``: the steps' default, said). The default 1234 alone held out other rows than a run
+    trained with another --seed did: prompts it trained on were compared as held-out ones."""
+    if not (args.prompts_file and seed_holds_out(args.prompts_file)):
+        return None
+    if args.seed is not None:
+        return args.seed
+    run, source = model_run_record(finetune_path)
+    seed = recorded_seed(run)
+    if seed is not None:
+        print(f"[prompt_eval] --seed {seed}: the fine-tuned model's run's (from {source}), the seed that held out "
+              f"the share of {args.prompts_file} read here")
+    return seed
 
 
 def prompts_source(args):
@@ -116,7 +134,7 @@ def build_parser():
     source.add_argument("--prompts_file", type=non_empty_path,
                         help="Local data with prompts (any format training accepts; its eval file where it has one, "
                              "else all of it), or a hub dataset's name, read as training reads it (its eval split, "
-                             f"else the 10%% of its train split the steps' default --seed {DEFAULT_SEED} holds out); "
+                             "else the 10%% of its train split --seed holds out); "
                              "tiny: the embedded held-out data. The embedded data's prompts (by name or by its "
                              "files) are rule-scored.")
     parser.add_argument("--data_fields", default="", help="Field names of --prompts_file, e.g. prompt=question.")
@@ -126,6 +144,10 @@ def build_parser():
                         help="Prompts answered at once (default: %(default)s).")
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=False)
+    parser._option_string_actions["--seed"].help = (
+        "Seed for sampling, and training's --seed, which chooses the 10%% of the train split of a --prompts_file hub "
+        "dataset without an eval split that is read (default: unseeded sampling, and the held-out share of the seed "
+        f"the fine-tuned model's run recorded in its training_args.json, else of the steps' {DEFAULT_SEED}).")
     compat = parser.add_argument_group(
         "DeepSpeed-Chat's prompt_eval.py flags", "Accepted so that its command lines run; no effect: its comparison "
         "is greedy with one answer per prompt, as here (the other decoding methods are commented out in its script)")
@@ -162,11 +184,12 @@ def main(argv=None):
     check_data_fields_read(parser, args.data_fields, "--prompts_file", args.prompts_file)
     check_count_read(parser, argv, "--num_prompts", "--prompts", args.prompts)
     check_stdout_open("the comparison")
-    check_generation_flags(args)  # (before either model loads)
-    say_unused_compat_flags(args)
-    records, scorable = select_records(args)
     paths = {role: flag_path(f"--model_name_or_path_{role}", find_policy_path,  # both before either loads
                              getattr(args, f"model_name_or_path_{role}")) for role in ROLES}
+    args.held_out_seed = held_out_seed(args, paths["finetune"])  # (read by check_generation_flags too)
+    check_generation_flags(args)  # (before either model loads)
+    say_unused_compat_flags(args)
+    records, scorable = select_records(args, args.held_out_seed)
     configs = {role: config_before_loading(paths[role]) for role in ROLES}
     for role in ROLES:  # (its answers would have no room, said after both models had loaded)
         check_room_for_a_prompt(configs[role], args.max_new_tokens, f"the {role} model")

@@ -124,6 +124,13 @@ def eval_records(raw, spec, seed):
     return raw.raw_datasets["train"], None
 
 
+def recorded_seed(run):
+    """The --seed that a step's run record ``run`` (read_run_args', or None) holds, else None: the seed that chose the
+    share it held out of data without an eval split (a seed of 0 too)."""
+    seed = ((run or {}).get("flags") or {}).get("seed")
+    return None if seed in (None, "") else seed
+
+
 def seed_holds_out(spec):
     """Whether the tools' data ``spec`` is a hub dataset without an eval split (Dahoas/synthetic-instruct-gptj-pairwise,
     openai/webgpt_comparisons), whose eval share the training seed holds out of its train split."""

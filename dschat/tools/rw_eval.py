@@ -24,7 +24,7 @@ from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8
 from dschat.data.raw_datasets import TINY_NAME
 from dschat.data.splits import parse_data_split
 from dschat.tools.records import (check_count_read, check_data_fields_read, load_phase_held_out, load_records,
-                                  prompt_record, seed_holds_out, tiny_held_out_records)
+                                  prompt_record, recorded_seed, seed_holds_out, tiny_held_out_records)
 
 RULE = "=" * 30
 
@@ -229,10 +229,10 @@ def step2_run_defaults(args):
         raise UsageError(f"--data_split {args.data_split}: the step-2 run read {' '.join(map(str, data))} (from "
                          f"{args_file}), not one dataset to take as --pairs_file: give "
                          "--pairs_file, the file whose held-out pairs to score")
-    if (args.data_split is not None or seed_holds_out(args.pairs_file)) and trained.get("seed") not in (None, ""):
+    if (args.data_split is not None or seed_holds_out(args.pairs_file)) and recorded_seed(run) is not None:
         # (a --data_split given, or a hub dataset without an eval split, chooses step 2's held-out pairs of its
         # --seed: the run's, as its help says, not 1234)
-        defaults["seed"] = trained["seed"]
+        defaults["seed"] = recorded_seed(run)
     return defaults, os.path.abspath(args_file)
 
 
