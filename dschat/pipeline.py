@@ -292,28 +292,56 @@ TRAIN_PY_NAMES = {"--actor_model_name_or_path": "--actor-model",
 PASSED_AS_TYPED = {"data_path": {"data_path"}, "data_fields": {"data_fields", "data_path"}}
 
 
-def in_train_py_spelling(message, step, args):
-    """``message`` (``step``'s error) naming train.py's flags where they are train.py's to the user (PASSED_AS_TYPED):
-    a step names its own (--data_fields), and the user had typed --data-fields; flags from its --stepN-args keep the
-    step's spelling."""
+# The train.py option each step's model flag takes its model from, where it does (``set_from_train_py_options``):
+# step 2's is otherwise the SFT model (the tiny default, DPO), step 3's critic otherwise step 2's folder.
+MODEL_OPTIONS = {1: {"model_name_or_path": "--actor-model"}, 2: {"model_name_or_path": "--reward-model"},
+                 3: {"critic_model_name_or_path": "--reward-model", "reward_model_name_or_path": "--reward-model"}}
+
+
+def set_from_train_py_options(step, args, argv):
+    """{a flag (dest) of ``step``'s command line ``argv`` that train.py set from an option of its own: that option}:
+    its --output_dir (a folder under --output-dir), its ZeRO stages (``stage_flags_of``'s of one option: step 3's
+    --zero_stage is not train.py's), and a model flag holding that option's model (not an earlier step's folder); none
+    that its --stepN-args give, which the user typed in the step's spelling."""
+    from dschat.args import flag_groups
+
+    recipe = getattr(args, "recipe", "ppo")
+    parser = step_parser(step, recipe)()
+    own = {dest for dest, _ in flag_groups(parser, step_extra_args(step, args))}
+    passed = {dest: tokens[1:] for dest, tokens in flag_groups(parser, argv) if dest is not None and dest not in own}
+    stages = {dest: options[0] for dest, options in stage_flags_of(step, recipe).items() if len(options) == 1}
+    models = {dest: option for dest, option in MODEL_OPTIONS[step].items()
+              if passed.get(dest) == [getattr(args, option[2:].replace("-", "_"), None)]}
+    return {dest: option for dest, option in {"output_dir": "--output-dir", **stages, **models}.items()
+            if dest in passed}
+
+
+def in_train_py_spelling(message, step, args, argv=None):
+    """``message`` (``step``'s error) naming train.py's flags where they are train.py's to the user: the data flags
+    (PASSED_AS_TYPED: a step names its own --data_fields, and the user had typed --data-fields), and, given the step's
+    command line ``argv``, the others train.py set (``set_from_train_py_options``: --actor_zero_stage is
+    --actor-zero-stage, step 1's --model_name_or_path --actor-model); flags from its --stepN-args keep the step's
+    spelling."""
     from dschat.args import flag_groups
 
     parser = step_parser(step, getattr(args, "recipe", "ppo"))()
     given = {dest for dest, _ in flag_groups(parser, step_extra_args(step, args))}
-    for dest, group in PASSED_AS_TYPED.items():
-        if not group & given:
-            message = re.sub(rf"--{dest}(?![\w-])", TRAIN_PY_NAMES[f"--{dest}"], message)
+    options = {dest: TRAIN_PY_NAMES[f"--{dest}"] for dest, group in PASSED_AS_TYPED.items() if not group & given}
+    options.update(set_from_train_py_options(step, args, argv) if argv is not None else {})
+    for dest, option in options.items():
+        message = re.sub(rf"--{dest}(?![\w-])", option, message)
     return message
 
 
 @contextlib.contextmanager
-def says_train_py_flags(step, args):
-    """Run ``step``'s code (its checks, or the step itself in train.py's process): a UsageError it raises names the
-    flags the user gave train.py as train.py spells them (``in_train_py_spelling``); its type and traceback kept."""
+def says_train_py_flags(step, args, argv=None):
+    """Run ``step``'s code (its checks, or the step itself in train.py's process; ``argv``: its command line, once
+    built): a UsageError it raises names the flags the user gave train.py as train.py spells them
+    (``in_train_py_spelling``); its type and traceback kept."""
     try:
         yield
     except UsageError as error:
-        error.args = (in_train_py_spelling(str(error), step, args), *error.args[1:])
+        error.args = (in_train_py_spelling(str(error), step, args, argv), *error.args[1:])
         raise
 
 
@@ -346,16 +374,18 @@ def check_step_args(steps, args, tiny, parsers):
 
 
 def _check_step_args(steps, args, tiny, parsers):
-    parsed = {}  # step -> (its flags, its parser)
+    parsed, argvs = {}, {}  # step -> (its flags, its parser); step -> its command line
     for step in steps:  # every step's flags first: a typo is the first thing to hear about
         parser = parsers[step]()
         parser.prog = f"train.py --step{step}-args"  # argparse's error names the flag that was wrong
         parser.check_given_once(step_extra_args(step, args))  # (the user's: train.py's own are replaced by them)
         with says_train_py_flags(step, args):
-            parsed[step] = parser.parse_args(step_argv(step, args, tiny)), parser
+            argvs[step] = step_argv(step, args, tiny)
+        with says_train_py_flags(step, args, argvs[step]):
+            parsed[step] = parser.parse_args(argvs[step]), parser
     check_data_fields_name_the_steps_datasets(args, [flags for flags, _ in parsed.values()])
     for step, (flags, parser) in parsed.items():
-        with says_train_py_flags(step, args):
+        with says_train_py_flags(step, args, argvs[step]):
             check_one_steps_flags(step, steps, args, tiny, flags, parser)
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
@@ -803,7 +833,7 @@ def run_step(main, argv, step, steps, plan, args):
     step ``train.py --resume`` resumed that cannot resume (its checkpoint's bound flags differ) says how to start it
     afresh and keep the finished steps before it."""
     try:
-        with says_train_py_flags(step, args):
+        with says_train_py_flags(step, args, argv):
             return main(argv)
     except UsageError as error:
         if plan[step].action != RESUME:

@@ -2063,6 +2063,50 @@ def test_train_py_errors_name_data_fields_as_the_user_typed_them(tmp_path, distr
         pipeline.run_pipeline(args)
 
 
+def test_train_py_errors_name_its_zero_stage_flags_as_the_user_typed_them(tmp_path, distributed):
+    """train.py sets each step's ZeRO stage from --actor-zero-stage / --reward-zero-stage (given, or the deployment's
+    default), and a step's error named them in its own spelling (--actor_zero_stage, --zero_stage), flags the user
+    never typed; a stage given in --stepN-args keeps the step's spelling."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+
+    out = tmp_path / "out"
+    for given, says in ((["--step3-args", "--offload"], "the actor trains at ZeRO stage 0 (--actor-zero-stage, else "
+                                                        "--zero_stage, else 0), and optimizer offload needs ZeRO stage "
+                                                        "1, 2 or 3: give --actor-zero-stage too"),
+                        (["--step", "1", "--step1-args", "--offload"],
+                         "needs ZeRO stage 1, 2 or 3 (--actor-zero-stage;"),
+                        (["--step", "1", "--step1-args", "--offload --zero_stage 0"],
+                         "needs ZeRO stage 1, 2 or 3 (--zero_stage;")):
+        with pytest.raises(UsageError, match=re.escape(says)):
+            pipeline.run_pipeline(_train_py_args("--output-dir", str(out), *given))
+    assert not out.exists(), "no step may have run"
+
+
+def test_train_py_respells_the_flags_it_sets_from_its_own_and_no_others(tmp_path):
+    """A step's model flag is train.py's --actor-model / --reward-model only where it holds that option's model
+    (step 2's on the tiny default is the SFT model, step 3's critic step 2's folder); its folder is under
+    --output-dir; step 3's --zero_stage is no train.py option's; a flag the --stepN-args give keeps the step's
+    spelling."""
+    from dschat import pipeline
+
+    def said(step, message, *given):
+        args = _train_py_args("--output-dir", str(tmp_path / "out"), *given)
+        return pipeline.in_train_py_spelling(message, step, args, pipeline.step_argv(step, args, tiny=True))
+
+    assert said(1, "--model_name_or_path tiny-llama: x; --zero_stage 0") == \
+        "--actor-model tiny-llama: x; --actor-zero-stage 0"
+    sft = str(tmp_path / "out" / "step1_sft")
+    assert said(2, f"--model_name_or_path {sft}: x") == f"--model_name_or_path {sft}: x"  # (the tiny default's)
+    assert said(2, "--model_name_or_path tiny-gpt2: x", "--reward-model", "tiny-gpt2") == "--reward-model tiny-gpt2: x"
+    assert said(2, "--zero_stage 0", "--recipe", "dpo") == "--actor-zero-stage 0"  # (DPO's models: the actor's stage)
+    assert said(3, "--critic_model_name_or_path x, --critic_zero_stage 0, --zero_stage 0, --output_dir y") == \
+        "--critic_model_name_or_path x, --reward-zero-stage 0, --zero_stage 0, --output-dir y"
+    assert said(1, "--zero_stage 2, --output_dir y", "--step1-args", "--zero_stage 2") == \
+        "--zero_stage 2, --output-dir y"
+    assert said(3, "--actor_zero_stage 2", "--step3-args", "--zero_stage 2") == "--actor_zero_stage 2"
+
+
 def test_train_py_length_check_reads_the_earlier_steps_output_when_step_1_is_not_run(tmp_path):
     """Step 3 alone loads <output>/step1_sft (and step2_rm), not --actor-model: the check took the flag's model."""
     import shutil
