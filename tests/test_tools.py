@@ -189,6 +189,54 @@ def test_ppo_eval_reads_the_run_folders_report_once_for_its_sft_models_run(tmp_p
     assert report_reads == [str(run / "report.json")]
 
 
+def counted_lookups(monkeypatch, module, name):
+    """The values looked up through ``module``'s model finder ``name`` (find_policy_path, find_reward_model_path)."""
+    looked_up, find = [], getattr(module, name)
+
+    def counted(path, report=None):
+        looked_up.append(path)
+        return find(path, report)
+
+    monkeypatch.setattr(module, name, counted)
+    return looked_up
+
+
+class StopBeforeLoading(Exception):
+    pass
+
+
+def test_ppo_eval_and_rw_eval_look_their_model_up_once(tmp_path, monkeypatch, report_reads):
+    """ppo_eval's parse_args looked --policy up again after its run defaults had (step3_run_defaults), and rw_eval's
+    main looked --model_name_or_path up again after parse_args had (step2_run_defaults): each lookup of a run folder
+    read its report.json again, and a reward model's value head was checked again. One lookup each now, the flag's
+    value the model found."""
+    from dschat.models.reward_model import VALUE_HEAD_FILE
+
+    run = tmp_path / "run"
+    for folder in ("step3_ppo/actor", "step2_rm"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / "config.json").write_text("{}")
+    (run / "step2_rm" / VALUE_HEAD_FILE).write_text("")
+    (run / "step3_ppo" / RUN_ARGS_FILE).write_text(json.dumps({"step": "step3", "world_size": 1,
+                                                               "flags": {"data_path": ["tiny"], "seed": 7}}))
+    (run / "report.json").write_text(json.dumps({"policy": "step3_ppo/actor"}))
+    looked_up = counted_lookups(monkeypatch, ppo_eval, "find_policy_path")
+    args = ppo_eval.parse_args(["--policy", str(run)])
+    assert (args.policy, args.seed) == (str(run / "step3_ppo" / "actor"), 7)  # (the run's flags taken)
+    assert looked_up == [str(run)] and report_reads == [str(run / "report.json")]
+
+    report_reads.clear()
+    looked_up = counted_lookups(monkeypatch, rw_eval, "find_reward_model_path")
+
+    def stop(path, **kwargs):  # (the model is not loaded: the lookups are over by then)
+        raise StopBeforeLoading(path)
+
+    monkeypatch.setattr("dschat.models.loading.load_tokenizer", stop)
+    with pytest.raises(StopBeforeLoading, match=re.escape(str(run / "step2_rm"))):
+        rw_eval.main(["--model_name_or_path", str(run), "--prompt", "Say hi.", "--answer", "hi"])
+    assert looked_up == [str(run)] and report_reads == [str(run / "report.json")]
+
+
 def test_a_run_folder_whose_model_a_save_swap_left_beside_it_is_an_error_naming_it(tmp_path):
     """A save killed between the two renames of its folder swap leaves no step3_ppo/actor (or step2_rm), the finished
     model whole beside it (.actor.save-new): chat.py, prompt_eval and eval.py given the run's folder took the next of

@@ -185,7 +185,7 @@ def flag_path_and_report(flag, find, value):
     except UsageError as err:  # (a missing folder, a reward model given as a policy, a damaged report.json, ...)
         raise type(err)(f"{flag} {err}") from err
     if reason := unfinished_reason(path):
-        say_once(f"warning: {flag} {path}: {reason}")  # (once: rw_eval and ppo_eval look their model up twice)
+        say_once(f"warning: {flag} {path}: {reason}")  # (once: --baseline may name --policy's model again)
     elif report.get("unfinished"):  # (a run folder's: a model folder or hub name has no report)
         say_once(f"warning: {flag} {value}: its last train.py run did not finish ({REPORT_FILE} says so): {path} may "
                  "be from before it")
@@ -330,6 +330,27 @@ def parse_with_run_defaults(parser, argv, run_defaults, tool, goes_with=None):
              for name, value in taken.items()]
     print(f"[{tool}] from {source} (flags given here win): {' '.join(flags)}")
     return parser.parse_args(argv)
+
+
+def parse_with_model_run_defaults(parser, argv, flag, find, run_defaults, tool, goes_with=None):
+    """``parse_with_run_defaults`` where the run is the one that wrote the model ``flag`` names: the model is looked up
+    once (``flag_path_and_report`` with ``find``), ``run_defaults(args, (path, report))`` given that lookup, and the
+    flag's value returned is the model's path (a run folder resolved). ppo_eval and rw_eval looked it up again after
+    their run defaults had, reading its report.json again (and checking a reward model's value head again)."""
+    lookups = []
+
+    def defaults_of_the_models_run(args):
+        lookups.append(flag_path_and_report(flag, find, getattr(args, flag_dest(parser, flag))))
+        return run_defaults(args, lookups[0])
+
+    args = parse_with_run_defaults(parser, argv, defaults_of_the_models_run, tool, goes_with)
+    setattr(args, flag_dest(parser, flag), lookups[0][0])
+    return args
+
+
+def flag_dest(parser, flag):
+    """The attribute ``parser`` stores ``flag``'s value in."""
+    return parser._option_string_actions[flag].dest
 
 
 def given_dests(parser, argv):

@@ -26,7 +26,7 @@ from dschat.steps.common import RUN_ARGS_FILE, among_inputs, read_run_args
 from dschat.steps.ppo import held_out_loader_once, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
                                  find_reward_model_path, flag_path, flag_path_and_report, load_policy,
-                                 load_scoring_reward_model, non_empty_path, one_process, parse_with_run_defaults,
+                                 load_scoring_reward_model, non_empty_path, one_process, parse_with_model_run_defaults,
                                  reported_policy, run_report)
 from dschat.utils.files import path_under
 
@@ -222,12 +222,12 @@ STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_o
                     "per_device_generation_batch_size", "add_eot_token", "padded_forwards")
 
 
-def step3_run_defaults(args):
+def step3_run_defaults(args, policy_lookup=None):
     """(this tool's defaults from the step-3 run that wrote the policy, the training_args.json they come from), else
-    ({}, None). A run folder's SFT model takes the step 3's or DPO step's beside it that started from it
+    ({}, None); ``policy_lookup``: --policy's (path, report), ``flag_path_and_report``'s, where already looked up. A run folder's SFT model takes the step 3's or DPO step's beside it that started from it
     (``sft_comparison_run``), as the same prompts are what it is compared on (train.py --recipe dpo's report scores it
     beside the DPO policy); a DPO policy takes its DPO run's (``dpo_run_defaults``)."""
-    policy_path, report = flag_path_and_report("--policy", find_policy_path, args.policy)
+    policy_path, report = policy_lookup or flag_path_and_report("--policy", find_policy_path, args.policy)
     if not os.path.isdir(policy_path):  # a hub name: no run of ours
         return {}, None
     policy = os.path.abspath(policy_path)
@@ -428,10 +428,9 @@ def in_moved_run(path, cwd, output_dir, record_folder, inputs=None):
 def parse_args(argv=None):
     """The flags; those not given default to the policy's step-3 run's (said), so that the same prompts are scored
     the same way as in its before/after-PPO evaluation."""
-    args = parse_with_run_defaults(build_parser(), argv, step3_run_defaults, "ppo_eval",
-                                   goes_with={"data_fields": "data_path"})  # its field names go with its files
-    args.policy = flag_path("--policy", find_policy_path, args.policy)  # the model folder (a run's folder resolved)
-    return args
+    # (--policy comes back as the model folder, a run's folder resolved; the run's field names go with its files)
+    return parse_with_model_run_defaults(build_parser(), argv, "--policy", find_policy_path, step3_run_defaults,
+                                         "ppo_eval", goes_with={"data_fields": "data_path"})
 
 
 def check_data_flags(args):

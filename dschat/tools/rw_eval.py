@@ -19,8 +19,8 @@ from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.rlhf.dpo import preference_accuracy, preference_ties
 from dschat.tools.common import (add_loading_args, check_stdout_open, check_utf8, find_reward_model_path,
-                                 flag_path, load_scoring_reward_model, non_empty_path, one_process,
-                                 parse_with_run_defaults, tool_prompt)
+                                 flag_path_and_report, load_scoring_reward_model, non_empty_path, one_process,
+                                 parse_with_model_run_defaults, tool_prompt)
 from dschat.data.raw_datasets import TINY_NAME
 from dschat.data.splits import parse_data_split
 from dschat.tools.records import (check_count_read, check_data_fields_read, load_phase_held_out, load_records,
@@ -184,18 +184,20 @@ def build_parser():
     return parser
 
 
-def step2_run_defaults(args):
+def step2_run_defaults(args, model_lookup=None):
     """--max_seq_len and --add_eot_token as the step-2 run that wrote the model trained with (its training_args.json),
     so that pairs are cut and ended as in training; and, with neither --pairs_file nor --prompt, its one --data_path
     (local data, the embedded data, or a hub dataset, read where the run read it: ``check_hub_data_read_here``) with
     its --data_fields, --data_split and --seed: the pairs step 2 held out and reported its accuracy on. (The file
     alone, where it has no eval file, was read whole: pairs step 2 trained on.) A hub dataset the run read from the
-    hub, or its download in the hub cache, was not taken: the embedded data's pairs were scored instead."""
+    hub, or its download in the hub cache, was not taken: the embedded data's pairs were scored instead.
+    ``model_lookup``: --model_name_or_path's (path, report), ``flag_path_and_report``'s, where already looked up."""
     from dschat.data.pipeline import as_list
     from dschat.data.raw_datasets import HUB_DATASETS, anchored_data_path, resolve_dataset_spec
     from dschat.steps.common import RUN_ARGS_FILE, read_run_args
 
-    path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
+    path, _ = model_lookup or flag_path_and_report("--model_name_or_path", find_reward_model_path,
+                                                   args.model_name_or_path)
     run = read_run_args(path, "step2")
     if run is None:
         return {}, None
@@ -283,7 +285,9 @@ def parse_args(argv=None):
     given = parser.parse_args(argv)
     check_message_flags(parser, given)  # before the model folder is looked at
     check_count_read(parser, argv, "--num_pairs", "--prompt and its --answer", given.prompt is not None)
-    args = parse_with_run_defaults(parser, argv, step2_run_defaults, "rw_eval")
+    # (--model_name_or_path comes back as the reward model's path, a run's folder resolved)
+    args = parse_with_model_run_defaults(parser, argv, "--model_name_or_path", find_reward_model_path,
+                                         step2_run_defaults, "rw_eval")
     check_data_fields_read(parser, args.data_fields, "--pairs_file", args.pairs_file and args.prompt is None)
     if args.prompt is not None and args.data_split is not None:  # (it chooses pairs of a file; none is read)
         parser.error(f"--data_split {args.data_split}: it chooses step 2's held-out pairs of --pairs_file, which is "
@@ -314,7 +318,7 @@ def main(argv=None):
     check_stdout_open("the scores")
     from dschat.models.loading import check_fits_before_loading, check_sequence_fits, load_tokenizer
 
-    path = flag_path("--model_name_or_path", find_reward_model_path, args.model_name_or_path)
+    path = args.model_name_or_path  # (looked up by parse_args)
     records = None if args.prompt else read_pairs(args)  # (read and checked before the model loads)
     if records is not None:
         check_some_pair(records, args.pairs_file)
