@@ -396,6 +396,49 @@ def test_a_compressed_hub_downloads_bad_line_is_named_by_file_and_line_as_a_plai
     assert [adapter.get_extra(sample)["rating"] for sample in adapter.get_train_data()] == [2, "1", 3]
 
 
+def test_a_compressed_file_the_file_system_fails_to_read_is_not_said_to_be_cut_short(tmp_path, monkeypatch):
+    """Every OSError while a .jsonl.gz was decompressed was "not readable as gzip data ...: a file cut short? download
+    it again", an EIO of a failing disk or an EACCES too. Those (an errno: the file system's error, not the data's)
+    stay the OSError they are, naming the file; gzip's own errors (BadGzipFile, no errno) are still the data's."""
+    import errno
+    import gzip
+
+    from dschat.data import local
+
+    packed = tmp_path / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"prompt": "a", "chosen": "b"}\n'))
+
+    class FailingRead:  # (gzip's reader over a disk whose read fails)
+        def __init__(self, path, mode, encoding=None):
+            self.file = gzip.open(path, mode, encoding=encoding)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def read(self, size=-1):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setitem(local.DECOMPRESSORS, ".gz", type("FailingDisk", (), {"open": FailingRead}))
+    with pytest.raises(OSError, match=rf"\[Errno {errno.EIO}\] {os.strerror(errno.EIO)}: '{re.escape(str(packed))}'") \
+            as raised:
+        local.holds_no_bytes(str(packed))
+    assert not isinstance(raised.value, DatasetFormatError)
+
+    def not_permitted(path, mode, encoding=None):  # (its own file name, as open says it)
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setitem(local.DECOMPRESSORS, ".gz", type("Unpermitted", (), {"open": not_permitted}))
+    with pytest.raises(PermissionError, match=re.escape(str(packed))):
+        local.text_encoding(str(packed))
+    monkeypatch.undo()
+    packed.write_bytes(b"not gzip")  # (gzip's BadGzipFile: an OSError without an errno, the data's as before)
+    with pytest.raises(DatasetFormatError, match=r"train\.jsonl\.gz: not readable as gzip data"):
+        local.holds_no_bytes(str(packed))
+
+
 def test_a_download_of_shp_its_domains_folders_are_read_as_its_default_config(tmp_path, monkeypatch):
     """stanfordnlp/SHP keeps each domain's splits in a folder of its own (askacademia/train.json, validation.json,
     test.json: JSON Lines): its download at ./stanfordnlp/SHP was "neither a save_to_disk copy ... nor a download". Its

@@ -1133,7 +1133,8 @@ def _split_file_names(name):
 # --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
 
 # the modules that undo the compressions of ``PACKED_JSON``, by the file's extension, and what they raise for data
-# that is not what its name says or is cut short (bz2's OSError, "Invalid data stream"; gzip's BadGzipFile is one too)
+# that is not what its name says or is cut short (bz2's OSError, "Invalid data stream"; gzip's BadGzipFile is one too:
+# an OSError without an errno, unlike a read the file system failed)
 DECOMPRESSORS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}
 DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 
@@ -1144,7 +1145,9 @@ def open_data_file(path, encoding=None):
     it is read where its name says it is compressed (``PACKED_JSON``: a hub download's train.jsonl.gz), so a JSON
     file's checks read, a line at a time, what datasets' json loader reads. A compressed file whose data does not
     decompress (cut short, or not what its name says) is an error naming it; one of no bytes is read as the empty
-    file it is (it holds no compressed stream: bzip2's and xz's readers said "ended before the end-of-stream")."""
+    file it is (it holds no compressed stream: bzip2's and xz's readers said "ended before the end-of-stream"). A read
+    the file system fails (an OSError with an errno: EACCES, EIO) stays that error, naming the file: it was said to be
+    a file cut short, to download again."""
     packed = data_file_extensions(path)[1].lower()
     mode = "rt" if encoding else "rb"
     if not packed or os.path.getsize(path) == 0:
@@ -1157,6 +1160,10 @@ def open_data_file(path, encoding=None):
     except UsageError:
         raise  # (the reader's own errors: MissingInputError is an OSError too)
     except DECOMPRESSION_ERRORS as err:
+        if isinstance(err, OSError) and err.errno is not None:  # (EACCES, EIO: the file system's, not the data's)
+            if err.filename is None:  # (a failed read names no file)
+                raise OSError(err.errno, err.strerror, path) from err
+            raise
         raise undecompressable_error(path, packed, err) from err
 
 
