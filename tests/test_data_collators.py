@@ -348,6 +348,26 @@ def test_a_compressed_unsupervised_file_of_a_type_is_said_with_its_flag_by_the_p
                 read(spec)
 
 
+def test_a_corrupt_compressed_unsupervised_file_is_said_with_its_flag_by_the_pre_flight_check(tmp_path):
+    """A docs.jsonl.gz that does not decompress (not gzip inside, or cut short) was said by train.py's pre-flight
+    check (and step 3's load) by its path alone, "docs.jsonl.gz: not readable as gzip data ...", where the file's other
+    errors name --unsupervised_dataset_name. It names the flag now, as they do."""
+    import gzip
+
+    from dschat.data import unsupervised
+
+    docs = tmp_path / "docs.jsonl.gz"
+    for content, said in ((b"not gzip at all", "Not a gzipped file"),
+                          (gzip.compress(json.dumps({"text": "hello"}).encode() * 99 + b"\n")[:-12],
+                           "Compressed file ended")):
+        docs.write_bytes(content)
+        for spec, where in ((str(docs), str(docs)), (f"jsonl:{docs}", f"jsonl:{docs}: {docs}")):
+            for read in (unsupervised.check_unsupervised_file, unsupervised.load_unsupervised_train):
+                with pytest.raises(DatasetFormatError, match="^" + re.escape(f"--unsupervised_dataset_name {where}: "
+                                                                             "not readable as gzip data") + f".*{said}"):
+                    read(spec)
+
+
 def test_unsupervised_json_text_that_reads_as_json_stays_text_and_the_bad_record_is_named(tmp_path, tokenizer):
     """In a "text" column of mixed types datasets decoded the strings that are valid JSON: "null" was said to be
     missing at its record, and the number further on, the bad record, went unnamed."""

@@ -10,6 +10,7 @@ concatenated and cut into blocks of ``max_prompt_seq_len + max_answer_seq_len`` 
 token (the remainder of each map batch is dropped). Blank documents (empty or whitespace-only lines of a .txt file,
 say) are skipped, and counted in the data report as the prompt data's skipped records are.
 """
+import contextlib
 import os
 import re
 
@@ -195,10 +196,25 @@ def check_has_text(name, kind, path):
     """A local file of ``kind`` at ``path`` that is empty or holds only blank lines is an error naming it: datasets'
     own error for an empty one names neither file nor cause, and a text file's blank lines were each skipped as a
     blank document, which left no block to train on, said only after tokenizing."""
-    if holds_no_bytes(path):  # (a compressed file's text: docs.jsonl.gz)
+    with named_by_the_flag(name, path):  # (a compressed file's text, docs.jsonl.gz: one not decompressing is said)
+        empty = holds_no_bytes(path)
+        blank = not empty and kind != "parquet" and only_blank_lines(path)
+    if empty:
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} is empty")
-    if kind != "parquet" and only_blank_lines(path):
+    if blank:
         raise DatasetFormatError(f"--unsupervised_dataset_name {name}: {path} has only blank lines: no documents")
+
+
+@contextlib.contextmanager
+def named_by_the_flag(name, path):
+    """A data error said while the file ``path`` of --unsupervised_dataset_name ``name`` is read (by its path:
+    ``open_data_file``'s), named with the flag (``data_spec_where``) as the other unsupervised errors are: a
+    docs.jsonl.gz that does not decompress was said by its path alone."""
+    try:
+        yield
+    except DatasetFormatError as err:
+        where = data_spec_where(name, path, "--unsupervised_dataset_name")
+        raise DatasetFormatError(f"{where}: {str(err).removeprefix(f'{path}: ')}") from err
 
 
 def _text_file_lines(path):
