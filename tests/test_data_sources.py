@@ -435,7 +435,7 @@ def test_a_compressed_file_the_file_system_fails_to_read_is_not_said_to_be_cut_s
         local.text_encoding(str(packed))
     monkeypatch.undo()
     packed.write_bytes(b"not gzip")  # (gzip's BadGzipFile: an OSError without an errno, the data's as before)
-    with pytest.raises(DatasetFormatError, match=r"train\.jsonl\.gz: not readable as gzip data"):
+    with pytest.raises(DatasetFormatError, match=r"train\.jsonl\.gz: not gzip data, though its name says it is"):
         local.holds_no_bytes(str(packed))
 
 
