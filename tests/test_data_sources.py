@@ -559,6 +559,36 @@ def test_a_folders_eval_file_is_read_beside_its_train_file_where_one_of_them_is_
         raw(str(folder), tmp_path)
 
 
+def test_a_compressed_train_files_folder_picks_its_eval_file_as_a_plain_train_files_does(tmp_path, capsys):
+    """Beside train.jsonl.gz the eval file was the folder's compressed split file whatever else it held: with
+    eval.jsonl and test.jsonl.gz, test.jsonl.gz was read and eval.jsonl went unread without a word (beside train.jsonl
+    eval.jsonl is read, test.jsonl.gz said unread); test.jsonl beside test.jsonl.gz was no error; validation.jsonl
+    beside test.jsonl.gz was not said unread. Both train files now give the same eval data, error and notice."""
+    import gzip
+
+    def write(path, records):
+        text = "".join(json.dumps(r) + "\n" for r in records).encode()
+        path.write_bytes(gzip.compress(text) if path.suffix == ".gz" else text)
+
+    def folder_of(train, *evals):  # (the train file's 12 records, then 4 for each eval file in turn)
+        folder = tmp_path / "-".join((train, *evals))
+        folder.mkdir()
+        write(folder / train, RECORDS[:12])
+        for k, name in enumerate(evals):
+            write(folder / name, RECORDS[12 + 4 * k:16 + 4 * k])
+        return str(folder)
+
+    for train in ("train.jsonl", "train.jsonl.gz"):
+        for evals in (("eval.jsonl", "test.jsonl.gz"), ("test.jsonl.gz", "validation.jsonl")):
+            capsys.readouterr()
+            adapter = raw(folder_of(train, *evals), tmp_path)
+            assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[12:16]), (train, evals)
+            assert f"evaluating on {evals[0]}; {evals[1]} not read" in capsys.readouterr().out, (train, evals)
+        with pytest.raises(UsageError, match=r"the folder holds test\.jsonl and test\.jsonl\.gz, and one file is the "
+                                             r"eval data"):
+            raw(folder_of(train, "test.jsonl", "test.jsonl.gz"), tmp_path)
+
+
 def test_a_broken_line_of_a_compressed_file_given_by_its_path_is_named_by_file_and_line(tmp_path):
     """A compressed JSON Lines file given by its path gets the plain file's checks, over its text decompressed: a
     bad line named by the file and its number, a key written twice refused; a CSV compressed is refused, saying to

@@ -968,9 +968,10 @@ def _hub_layout_source(kind, folder, spec, flag=None):
         raise UsageError(f"{given_as(flag, spec)}: the folder's train data is {os.path.relpath(train)}, not {kind}")
     evaluation = splits[eval_names[0]] if eval_names else [None]
     unread = tuple(os.path.basename(path) for name in eval_names[1:] for path in splits[name])
-    if not eval_names and os.path.samefile(os.path.dirname(train), folder):
-        # (a plain eval file beside a compressed train file, train.jsonl.gz and test.jsonl, which the top level of a
-        # download does not count: the train data was split 90/10 without a word)
+    if _eval_files_named_plainly(folder, train, [path for name in eval_names for path in splits[name]]):
+        # (a compressed train file at the top level, as a plain one: the top level of a download counts compressed
+        # split files alone, so a plain eval file went unread, train.jsonl.gz beside eval.jsonl and test.jsonl.gz
+        # evaluated on test.jsonl.gz, and test.jsonl beside test.jsonl.gz was no error)
         evaluation[0], unread = _folder_eval_file(folder, spec, flag)
     eval_kind = evaluation[0] and hub_data_kind(evaluation[0])
     say_subfolders_joined(spec, folder, [*splits["train"], *(evaluation if evaluation[0] else [])])
@@ -1120,6 +1121,14 @@ def _folder_eval_file(folder, spec, flag=None):
                            if os.path.isfile(os.path.join(folder, file)))
             return found[0], unread
     return None, ()
+
+
+def _eval_files_named_plainly(folder, train, eval_files):
+    """Whether the eval file of ``folder``, whose hub-layout train file is ``train``, is ``_folder_eval_file``'s, as
+    beside a plain train.EXT: ``train`` lies at the folder's top level (train.jsonl.gz), and none of the eval split
+    files found there (``eval_files``) is a shard (test-00000-of-00002.jsonl.gz: a download's, read as its splits)."""
+    return (os.path.samefile(os.path.dirname(train), folder)
+            and not any(_HUB_SPLIT_FILE.match(os.path.basename(path)) for path in eval_files))
 
 
 def _split_file_names(name):
