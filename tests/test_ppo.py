@@ -5052,6 +5052,29 @@ TINY_ACTORS_READING_NO_MASK = {"recurrent_gemma": _tiny_recurrent_gemma_actor, "
                                "xlstm": _tiny_xlstm_actor}
 
 
+def test_an_xlstm_batch_generated_as_it_is_gets_the_mended_cache_too(transformers_xlstm_cache):
+    """Where HF generate takes a left-padded batch as it is (synced ranks, no pad id), a 64-wide xLSTM's generate
+    failed ("matC_old has wrong shape"): only ``decodes_rows_apart`` put dschat's fix of transformers' xLSTMCache in,
+    and that path never asks it. It generates now (the padding warned of), its unpadded row as it would alone."""
+    from transformers import AutoModelForCausalLM, xLSTMConfig
+
+    from dschat.rlhf.trainer import hf_generate
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(xLSTMConfig(
+        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=4, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": None})()
+    ids = torch.randint(3, 96, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        seq = hf_generate(model, tokenizer)(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        alone = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False)
+    assert seq.shape == (2, 10) and torch.equal(seq[0], alone[0])
+
+
 @pytest.mark.parametrize("family", sorted(TINY_ACTORS_READING_NO_MASK))
 def test_rows_of_one_prompt_length_generate_together_where_the_batched_decode_keeps_them_apart(monkeypatch, family):
     """RecurrentGemma's and DeepSeek-V4's batched decodes keep unpadded rows apart in transformers, and xLSTM's with
