@@ -1068,6 +1068,48 @@ def test_a_hub_reward_models_files_are_fetched_once_per_process(hub_cache, monke
         has_trained_value_head(name)
 
 
+def test_a_hub_reward_models_file_a_connection_error_left_unfetched_is_asked_again(hub_cache, reachable_hub,
+                                                                                    monkeypatch):
+    """Online, a value head that a connection error left unfetched (the hub client answers None, as for a file the
+    model has not) was kept as missing: the folder fetched once per process, the reward model stayed "not a reward
+    model" at each later check after the network came back (a notebook's retry). Such a fetch is not kept now; a
+    file the hub said the model has not (its cache's .no_exist marker) is settled, the folder kept."""
+    import shutil
+
+    import transformers.utils.hub
+
+    from dschat.models.reward_model import REWARD_META_FILE, VALUE_HEAD_FILE, has_trained_value_head
+
+    name = "acme/flaky-network-rm"
+    snapshot = hub_cache(name, lambda folder: save_reward_model(RewardModel(AutoModel.from_config(CONFIGS["gpt2"]())),
+                                                                _Tok(), str(folder)))
+    aside = snapshot.parent.parent / VALUE_HEAD_FILE
+    shutil.move(snapshot / VALUE_HEAD_FILE, aside)  # (not downloaded yet)
+    network_up, asked = [False], []
+
+    def fetched(repo, filename, **kwargs):  # (the hub client: a file of the snapshot, downloaded where it is up)
+        asked.append(filename)
+        if filename == VALUE_HEAD_FILE and network_up[0] and aside.exists():
+            shutil.move(aside, snapshot / filename)
+        return str(snapshot / filename) if (snapshot / filename).exists() else None
+
+    monkeypatch.setattr(transformers.utils.hub, "cached_file", fetched)
+    assert not has_trained_value_head(name)
+    network_up[0] = True
+    assert has_trained_value_head(name)
+    asked.clear()
+    assert has_trained_value_head(name) and asked == []  # (all there: kept)
+    name = "acme/rm-without-meta"  # (the hub said it has no reward_model.json: its .no_exist marker)
+    snapshot = hub_cache(name, lambda folder: save_reward_model(RewardModel(AutoModel.from_config(CONFIGS["gpt2"]())),
+                                                                _Tok(), str(folder)))
+    (snapshot / REWARD_META_FILE).unlink()
+    no_exist = snapshot.parent.parent / ".no_exist" / snapshot.name
+    no_exist.mkdir(parents=True)
+    (no_exist / REWARD_META_FILE).touch()
+    assert has_trained_value_head(name) and has_trained_value_head(name)
+    assert asked.count("config.json") == 1, asked
+
+
 def test_step3_warns_once_of_a_critic_it_would_be_rewarded_by(tmp_path, capsys):
     """The reward model defaults to --critic_model_name_or_path, so PPO continued from an earlier step 3's critic (one
     marked in its reward_model.json, or critic/ in a step-3 folder) with no reward model given was rewarded by the

@@ -138,9 +138,22 @@ def hub_model_folder(name, extra_files=()):
     folder = _FETCHED_HUB_FOLDERS.get(_hub_folder_key(name, extra_files))
     if folder is None or not os.path.isdir(folder):  # (a snapshot removed since: fetched again)
         folder = _fetch_hub_model_folder(name, extra_files)
-        # (keyed after the fetch: it may have turned offline mode on, ``read_hub_cache_only_if_unreachable``)
-        _FETCHED_HUB_FOLDERS[_hub_folder_key(name, extra_files)] = folder
+        if _extra_files_settled(name, folder, extra_files):
+            # (keyed after the fetch: it may have turned offline mode on, ``read_hub_cache_only_if_unreachable``)
+            _FETCHED_HUB_FOLDERS[_hub_folder_key(name, extra_files)] = folder
     return folder
+
+
+def _extra_files_settled(name, folder, extra_files):
+    """Whether each of ``extra_files`` is in the fetched ``folder`` or known not to be had: offline, or the hub said
+    the model has none (the hub cache's marker of it, ``try_to_load_from_cache``). Else the folder is not kept: a file
+    a connection error left unfetched (``hub_file`` answers None alike) was taken as missing for the rest of the
+    process, a notebook's reward model "not a reward model" at each call after the network came back."""
+    from huggingface_hub import _CACHED_NO_EXIST, constants, try_to_load_from_cache
+
+    return constants.HF_HUB_OFFLINE or all(os.path.exists(os.path.join(folder, file))
+                                           or try_to_load_from_cache(name, file) is _CACHED_NO_EXIST
+                                           for file in extra_files)
 
 
 def _hub_folder_key(name, extra_files):
