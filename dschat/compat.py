@@ -383,13 +383,6 @@ def xlstm_cache_fits_its_layers(model):
     return False
 
 
-def mend_xlstm_cache(model):
-    """``xlstm_cache_fits_its_layers`` for an xLSTM ``model`` (PEFT-wrapped or not), nothing for another: HF generate
-    of a batch as it is (left-padded: synced ranks, no pad id) needs the cache mended as much as one row does."""
-    if getattr(model.config, "model_type", None) == "xlstm":
-        xlstm_cache_fits_its_layers(model)
-
-
 def _first_mlstm_layer(model):
     """``model``'s first mLSTM layer: the first module that says its query/key and value widths."""
     layer = next((module for module in model.modules()

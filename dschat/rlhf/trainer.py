@@ -298,11 +298,7 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     synced = get_world_size() > 1 if synced is None else synced
     lengths = left_padded_lengths(attention_mask) if not synced and pad_id is not None else None
     if lengths is None:
-        from dschat.compat import mend_xlstm_cache
-
         warn_of_padded_generation(model, attention_mask)
-        # (else only ``decodes_rows_apart`` put xLSTM's fix in: a padded batch of one failed on transformers' cache)
-        mend_xlstm_cache(model)
         return generate(input_ids, attention_mask=attention_mask, **kwargs)
     width = input_ids.shape[1]
     answers = [(rows, generate(input_ids[rows, width - length:], attention_mask=attention_mask[rows, width - length:],
