@@ -658,6 +658,30 @@ def test_a_misnamed_compressed_csv_is_told_a_command_that_decompresses_it(tmp_pa
     assert path.read_text() == csv_text and len(raw(str(path), tmp_path).raw_datasets["train"]) == len(RECORDS)
 
 
+def test_a_file_named_with_another_compressions_extension_is_told_a_command_that_writes_the_plain_file(tmp_path):
+    """csv:x.csv.gz holding xz data was told `mv x.csv.gz x.csv.gz.xz && unxz -k x.csv.gz.xz`, which writes x.csv.gz:
+    the plain CSV, named as gzip again (and x.jsonl.gz holding zstd so, x.jsonl.gz plain JSON Lines). The name's
+    compression extension is replaced now: the command given writes x.csv, read as the plain file."""
+    import lzma
+    import subprocess
+
+    csv_text = pd.DataFrame(RECORDS).to_csv(index=False)
+    path = tmp_path / "x.csv.gz"
+    path.write_bytes(lzma.compress(csv_text.encode()))
+    with pytest.raises(DatasetFormatError, match=r"the file is compressed with xz, .*: decompress it \((.*)\) and "
+                                                 r"give the file that writes$") as error:
+        raw(f"csv:{path}", tmp_path)
+    command = re.search(r"decompress it \((.*)\) and give", str(error.value)).group(1)
+    assert command == f"mv {path} {tmp_path}/x.csv.xz && unxz -k {tmp_path}/x.csv.xz"
+    subprocess.run(command, shell=True, check=True)
+    plain = tmp_path / "x.csv"
+    assert plain.read_text() == csv_text and len(raw(str(plain), tmp_path).raw_datasets["train"]) == len(RECORDS)
+    from dschat.data.local import decompress_command
+
+    assert decompress_command("d/x.jsonl.gz", "zstd") == "mv d/x.jsonl.gz d/x.jsonl.zst && unzstd d/x.jsonl.zst"
+    assert decompress_command("d/X.CSV.XZ", "xz") == "mv d/X.CSV.XZ d/X.CSV.xz && unxz -k d/X.CSV.xz"
+
+
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
     """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
     said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its

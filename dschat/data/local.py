@@ -1475,11 +1475,15 @@ def decompress_command(path, tool):
     """The shell command that decompresses the file at ``path``, compressed with ``tool``, beside it. gunzip, unxz and
     unzstd refuse a file not named with their extension (x.csv holding gzip: `gunzip -k x.csv`, "unknown suffix --
     ignored"), and bunzip2 writes x.csv.out: such a file is named so first, and the plain file is written under its
-    name. (unzip reads an archive of any name.)"""
+    name. A name ending in another compression's extension (x.jsonl.gz holding zstd), or in the tool's own in capitals
+    (unxz refuses .XZ), has it replaced, not added to: the plain file written is x.jsonl, not x.jsonl.gz (misnamed
+    again). (unzip reads an archive of any name.)"""
     extension = TOOL_EXTENSIONS[tool]
     if tool == "zip" or path.endswith(extension):
         return f"{DECOMPRESS[tool]} {path}"
-    return f"mv {path} {path}{extension} && {DECOMPRESS[tool]} {path}{extension}"
+    stem, last = os.path.splitext(path)
+    packed = (stem if last.lower() in COMPRESSED_EXTENSIONS else path) + extension
+    return f"mv {path} {packed} && {DECOMPRESS[tool]} {packed}"
 
 
 def check_folder_not_compressed(folder, where=None):
