@@ -682,6 +682,28 @@ def test_a_file_named_with_another_compressions_extension_is_told_a_command_that
     assert decompress_command("d/X.CSV.XZ", "xz") == "mv d/X.CSV.XZ d/X.CSV.xz && unxz -k d/X.CSV.xz"
 
 
+def test_a_csv_named_compressed_is_told_by_its_bytes_not_its_name(tmp_path):
+    """x.csv.gz holding xz, or the plain CSV, was told "the file is compressed with gzip ... decompress it (gunzip -k
+    x.csv.gz)", which gunzip refuses ("not in gzip format"). The compression is told by the file's bytes now: xz data
+    gets the command that decompresses it, plain text the name to give it; each command given, run, gives x.csv,
+    read as the plain file."""
+    import lzma
+    import subprocess
+
+    csv_text = pd.DataFrame(RECORDS).to_csv(index=False)
+    path, plain = tmp_path / "x.csv.gz", tmp_path / "x.csv"
+    for data, said in ((lzma.compress(csv_text.encode()), r"the file is compressed with xz, .*: decompress it \((.*)\) "
+                                                          r"and give the file that writes$"),
+                       (csv_text.encode(), r": not gzip data, though its name says it is: where it is the uncompressed "
+                                           r"file, name it so \((.*)\)$")):
+        plain.unlink(missing_ok=True)
+        path.write_bytes(data)
+        with pytest.raises(DatasetFormatError, match=said) as error:
+            raw(str(path), tmp_path)
+        subprocess.run(re.search(said, str(error.value)).group(1), shell=True, check=True)
+        assert plain.read_text() == csv_text and len(raw(str(plain), tmp_path).raw_datasets["train"]) == len(RECORDS)
+
+
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
     """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
     said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its

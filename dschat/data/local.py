@@ -824,7 +824,7 @@ def _infer_kind(path, where):
     # JSON compressed with gzip, bzip2 or xz is read decompressed (``open_data_file``); another compressed file is
     # said so (not "write jsonl:FILE", which then read it as text that is not UTF-8)
     if tool and not (packed and kind in ("json", "jsonl")):
-        raise compressed_error(path, tool, where)
+        raise named_compressed_error(path, tool, where)
     if kind is None:
         raise UsageError(f"{where}: cannot tell the format of the file from its extension; write jsonl:{path}, "
                          f"json:{path}, parquet:{path} or csv:{path}")
@@ -1197,6 +1197,23 @@ def undecompressable_error(path, packed, err):
         return DatasetFormatError(f"{path}: not {tool} data, though its name says it is: it is compressed with "
                                   f"{held}; name it so (mv {path} {plain}{PACKED_JSON_EXTENSIONS[held]})")
     return compressed_error(path, held)
+
+
+def named_compressed_error(path, named, where=None):
+    """The error for a file whose name says it is compressed with ``named`` (x.csv.gz), of a type dschat does not read
+    so, told by its bytes (``compressed_with``), not its name: x.csv.gz holding xz, or the plain CSV, was told
+    "compressed with gzip ... (gunzip -k x.csv.gz)", which gunzip refuses ("not in gzip format"). Data of another
+    compression is told that one's command; data of none, the name to give it. ``where``: how the error names
+    ``path``."""
+    try:
+        held = compressed_with(path)
+    except OSError:  # (not readable: said by its name, as the load would fail on its own)
+        held = named
+    if held is None:
+        plain = os.path.splitext(path)[0]
+        return DatasetFormatError(f"{where or path}: not {named} data, though its name says it is: where it is the "
+                                  f"uncompressed file, name it so (mv {path} {plain})")
+    return compressed_error(path, held, where)
 
 
 def text_encoding(path):
