@@ -293,9 +293,16 @@ PASSED_AS_TYPED = {"data_path": {"data_path"}, "data_fields": {"data_fields", "d
 
 
 # The train.py option each step's model flag takes its model from, where it does (``set_from_train_py_options``):
-# step 2's is otherwise the SFT model (the tiny default, DPO), step 3's critic otherwise step 2's folder.
+# step 2's is otherwise the SFT model (the tiny default), step 3's critic otherwise step 2's folder.
 MODEL_OPTIONS = {1: {"model_name_or_path": "--actor-model"}, 2: {"model_name_or_path": "--reward-model"},
                  3: {"critic_model_name_or_path": "--reward-model", "reward_model_name_or_path": "--reward-model"}}
+
+
+def model_options_of(step, recipe):
+    """``MODEL_OPTIONS`` of ``step`` of ``recipe``: DPO's model is always the SFT folder, never a train.py option's
+    (an --actor-model naming that folder, which --reward-model then defaults to, holds the same value: it was said as
+    --reward-model, which DPO takes none of)."""
+    return {} if step == 2 and recipe == "dpo" else MODEL_OPTIONS[step]
 
 
 def set_from_train_py_options(step, args, argv):
@@ -310,7 +317,7 @@ def set_from_train_py_options(step, args, argv):
     own = {dest for dest, _ in flag_groups(parser, step_extra_args(step, args))}
     passed = {dest: tokens[1:] for dest, tokens in flag_groups(parser, argv) if dest is not None and dest not in own}
     stages = {dest: options[0] for dest, options in stage_flags_of(step, recipe).items() if len(options) == 1}
-    models = {dest: option for dest, option in MODEL_OPTIONS[step].items()
+    models = {dest: option for dest, option in model_options_of(step, recipe).items()
               if passed.get(dest) == [getattr(args, option[2:].replace("-", "_"), None)]}
     return {dest: option for dest, option in {"output_dir": "--output-dir", **stages, **models}.items()
             if dest in passed}

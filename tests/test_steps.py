@@ -2107,6 +2107,19 @@ def test_train_py_respells_the_flags_it_sets_from_its_own_and_no_others(tmp_path
     assert said(3, "--actor_zero_stage 2", "--step3-args", "--zero_stage 2") == "--actor_zero_stage 2"
 
 
+def test_train_py_names_dpos_sft_start_by_no_model_option(tmp_path):
+    """DPO starts from the SFT folder, never from a train.py option's model: with --actor-model naming that folder
+    (--step 2 after an earlier step 1), --reward-model defaults to the same value, and DPO's --model_name_or_path
+    was respelled --reward-model, an option DPO takes none of."""
+    from dschat import pipeline
+
+    sft = str(tmp_path / "out" / "step1_sft")
+    args = _train_py_args("--output-dir", str(tmp_path / "out"), "--recipe", "dpo", "--step", "2", "--actor-model", sft)
+    message = f"--model_name_or_path {sft}: x; --zero_stage 0"
+    assert pipeline.in_train_py_spelling(message, 2, args, pipeline.step_argv(2, args, tiny=False)) == \
+        f"--model_name_or_path {sft}: x; --actor-zero-stage 0"
+
+
 def test_train_py_length_check_reads_the_earlier_steps_output_when_step_1_is_not_run(tmp_path):
     """Step 3 alone loads <output>/step1_sft (and step2_rm), not --actor-model: the check took the flag's model."""
     import shutil
