@@ -307,9 +307,10 @@ def model_options_of(step, recipe):
 
 def set_from_train_py_options(step, args, argv):
     """{a flag (dest) of ``step``'s command line ``argv`` that train.py set from an option of its own: that option}:
-    its --output_dir (a folder under --output-dir), its ZeRO stages (``stage_flags_of``'s of one option: step 3's
-    --zero_stage is not train.py's), and a model flag holding that option's model (not an earlier step's folder); none
-    that its --stepN-args give, which the user typed in the step's spelling."""
+    its --output_dir (a folder under --output-dir, said so where named with it: ``flag_in_message``), its ZeRO stages
+    (``stage_flags_of``'s of one option: step 3's --zero_stage is not train.py's), and a model flag holding that
+    option's model (not an earlier step's folder); none that its --stepN-args give, which the user typed in the step's
+    spelling."""
     from dschat.args import flag_groups
 
     recipe = getattr(args, "recipe", "ppo")
@@ -336,8 +337,19 @@ def in_train_py_spelling(message, step, args, argv=None):
     options = {dest: TRAIN_PY_NAMES[f"--{dest}"] for dest, group in PASSED_AS_TYPED.items() if not group & given}
     options.update(set_from_train_py_options(step, args, argv) if argv is not None else {})
     for dest, option in options.items():
-        message = re.sub(rf"--{dest}(?![\w-])", option, message)
+        message = re.sub(flag_in_message(dest, argv), option, message)
     return message
+
+
+def flag_in_message(dest, argv):
+    """The pattern of step flag ``dest`` in a message where train.py's option stands for it. --output_dir only where
+    it names the step's folder (its value in the step's command line ``argv``): named alone it is advice about a step
+    script's flag (an interrupted save's "a step's start with it as its --output_dir"), which train.py's
+    --output-dir, the run's folder above the step's, does not do."""
+    if dest != "output_dir":
+        return rf"--{dest}(?![\w-])"
+    folder = argv[argv.index("--output_dir") + 1]
+    return rf"--output_dir(?= {re.escape(folder)}(?![\w./-]))"
 
 
 @contextlib.contextmanager

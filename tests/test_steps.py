@@ -2100,11 +2100,33 @@ def test_train_py_respells_the_flags_it_sets_from_its_own_and_no_others(tmp_path
     assert said(2, f"--model_name_or_path {sft}: x") == f"--model_name_or_path {sft}: x"  # (the tiny default's)
     assert said(2, "--model_name_or_path tiny-gpt2: x", "--reward-model", "tiny-gpt2") == "--reward-model tiny-gpt2: x"
     assert said(2, "--zero_stage 0", "--recipe", "dpo") == "--actor-zero-stage 0"  # (DPO's models: the actor's stage)
-    assert said(3, "--critic_model_name_or_path x, --critic_zero_stage 0, --zero_stage 0, --output_dir y") == \
-        "--critic_model_name_or_path x, --reward-zero-stage 0, --zero_stage 0, --output-dir y"
-    assert said(1, "--zero_stage 2, --output_dir y", "--step1-args", "--zero_stage 2") == \
-        "--zero_stage 2, --output-dir y"
+    ppo = str(tmp_path / "out" / "step3_ppo")
+    assert said(3, f"--critic_model_name_or_path x, --critic_zero_stage 0, --zero_stage 0, --output_dir {ppo}") == \
+        f"--critic_model_name_or_path x, --reward-zero-stage 0, --zero_stage 0, --output-dir {ppo}"
+    assert said(1, f"--zero_stage 2, --output_dir {sft}", "--step1-args", "--zero_stage 2") == \
+        f"--zero_stage 2, --output-dir {sft}"
     assert said(3, "--actor_zero_stage 2", "--step3-args", "--zero_stage 2") == "--actor_zero_stage 2"
+
+
+def test_train_py_says_its_output_dir_only_where_a_message_names_the_steps_folder(tmp_path, distributed):
+    """Step 2 under train.py found step 1's save interrupted: the advice "a step's start with it as its --output_dir"
+    (a step script's flag: train.py's --output-dir is the run's folder above the steps') was respelled --output-dir,
+    which given that folder writes the steps into its subfolders and finishes nothing. --output_dir is train.py's
+    where it names the step's own folder alone."""
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+    from dschat.tiny.presets import create_tiny_model
+
+    out = tmp_path / "out"
+    create_tiny_model("tiny-llama", out / "step1_sft")
+    (out / "step1_sft" / ".step1_sft.save-moving").mkdir()  # (a save killed while it moved its files in)
+    with pytest.raises(MissingInputError, match="a step's start with it as its --output_dir, or "):
+        pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "2"))
+    args = _train_py_args("--output-dir", str(out))
+    rm = str(out / "step2_rm")
+    assert pipeline.in_train_py_spelling(f"--output_dir {rm}: cannot write there; --output_dir {rm}x", 2, args,
+                                         pipeline.step_argv(2, args, tiny=True)) == \
+        f"--output-dir {rm}: cannot write there; --output_dir {rm}x"
 
 
 def test_train_py_names_dpos_sft_start_by_no_model_option(tmp_path):
