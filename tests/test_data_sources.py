@@ -803,6 +803,37 @@ def test_a_subset_folder_of_a_hub_download_in_gzip_jsonl_is_read_and_other_compr
             raw(spec, tmp_path)
 
 
+def test_a_compressed_folders_files_are_told_by_their_bytes_not_their_names(tmp_path):
+    """A folder of train.csv.gz holding xz and test.csv.gz holding plain text was told "its train data train.csv.gz
+    is compressed with gzip ... (gunzip -k train.csv.gz && gunzip -k test.csv.gz)", which gunzip refuses ("not in gzip
+    format"). Each file is told by its bytes now (as a file given by its path is): the commands given, run, write the
+    plain train.csv and test.csv, and the folder is read; plain train text named .gz is said to be no gzip data."""
+    import gzip
+    import lzma
+    import subprocess
+
+    train_text, test_text = (pd.DataFrame(part).to_csv(index=False) for part in (RECORDS[:15], RECORDS[15:]))
+    for train_bytes, test_bytes, said in (
+            (lzma.compress(train_text.encode()), test_text.encode(),
+             r"packed: its train data train.csv.gz is compressed with xz, which dschat does not read: decompress its "
+             r"files \((.*)\) and give the folder again$"),
+            (train_text.encode(), gzip.compress(test_text.encode()),
+             r"packed: its train data train.csv.gz is not gzip data, though its name says it is: write its plain "
+             r"files \((.*)\) and give the folder again$")):
+        folder = tmp_path / "packed"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        (folder / "train.csv.gz").write_bytes(train_bytes)
+        (folder / "test.csv.gz").write_bytes(test_bytes)
+        with pytest.raises(DatasetFormatError, match=said) as error:
+            raw(str(folder), tmp_path)
+        subprocess.run(re.search(said, str(error.value)).group(1), shell=True, check=True)
+        assert (folder / "train.csv").read_text() == train_text and (folder / "test.csv").read_text() == test_text
+        adapter = raw(str(folder), tmp_path)
+        assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+        assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

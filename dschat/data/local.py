@@ -1205,15 +1205,29 @@ def named_compressed_error(path, named, where=None):
     "compressed with gzip ... (gunzip -k x.csv.gz)", which gunzip refuses ("not in gzip format"). Data of another
     compression is told that one's command; data of none, the name to give it. ``where``: how the error names
     ``path``."""
-    try:
-        held = compressed_with(path)
-    except OSError:  # (not readable: said by its name, as the load would fail on its own)
-        held = named
+    held = held_compression(path, named)
     if held is None:
-        plain = os.path.splitext(path)[0]
         return DatasetFormatError(f"{where or path}: not {named} data, though its name says it is: where it is the "
-                                  f"uncompressed file, name it so (mv {path} {plain})")
+                                  f"uncompressed file, name it so ({plain_file_command(path, held)})")
     return compressed_error(path, held, where)
+
+
+def held_compression(path, named):
+    """The compression the file at ``path``, named compressed with ``named`` (x.csv.gz), holds by its first bytes
+    (``compressed_with``), None for none; where it cannot be read, ``named`` (the load would fail on its own)."""
+    try:
+        return compressed_with(path)
+    except OSError:
+        return named
+
+
+def plain_file_command(path, held):
+    """The shell command that writes the plain file of ``path``, a file named compressed (x.csv.gz) that holds
+    ``held`` (``held_compression``): that compression's command (``decompress_command``), or for none the rename to
+    the name without the compression's extension (x.csv)."""
+    if held is None:
+        return f"mv {path} {os.path.splitext(path)[0]}"
+    return decompress_command(path, held)
 
 
 def text_encoding(path):
@@ -1505,20 +1519,27 @@ def decompress_command(path, tool):
 
 def check_folder_not_compressed(folder, where=None):
     """A folder whose train data is compressed (Anthropic/hh-rlhf's helpful-base/train.jsonl.gz and test.jsonl.gz) is
-    an error saying so, with the command that decompresses its split files: it was "cannot tell what the folder
-    holds" and, given TYPE:FOLDER, "the folder has no train.jsonl", neither of which is the fix. ``where``: how the
-    error names the folder (``data_spec_where``: with the flag that gave it), else by itself."""
+    an error saying so, with the commands that write its split files plain, each told by the file's bytes
+    (``plain_file_command``): it was "cannot tell what the folder holds" and, given TYPE:FOLDER, "the folder has no
+    train.jsonl", neither of which is the fix. ``where``: how the error names the folder (``data_spec_where``: with the
+    flag that gave it), else by itself."""
     names = [f"{split}{ext}{packed}" for split in ("train", *EVAL_SPLIT_NAMES) for ext in EXTENSION_TYPES
              for packed in COMPRESSED_EXTENSIONS]
-    found = [(os.path.join(folder, name), COMPRESSED_EXTENSIONS[os.path.splitext(name)[1]]) for name in names
-             if os.path.isfile(os.path.join(folder, name))]
-    train = next((path for path, _ in found if os.path.basename(path).startswith("train.")), None)
+    paths = [os.path.join(folder, name) for name in names if os.path.isfile(os.path.join(folder, name))]
+    train = next((path for path in paths if os.path.basename(path).startswith("train.")), None)
     if train is None:
         return
-    commands = " && ".join(decompress_command(path, tool) for path, tool in found)
+    # each told by its bytes, not its name: train.csv.gz of xz, or plain text, was told `gunzip -k`, which refuses it
+    held = {path: held_compression(path, COMPRESSED_EXTENSIONS[os.path.splitext(path)[1]]) for path in paths}
+    commands = " && ".join(plain_file_command(path, held[path]) for path in paths)
+    named = COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]
+    if held[train] is None:
+        raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is not {named} data, "
+                                 f"though its name says it is: write its plain files ({commands}) and give the folder "
+                                 "again")
     raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is compressed with "
-                             f"{COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]}, which dschat does not read: "
-                             f"decompress its files ({commands}) and give the folder again")
+                             f"{held[train]}, which dschat does not read: decompress its files ({commands}) and give "
+                             "the folder again")
 
 
 def compressed_with(path):
