@@ -834,6 +834,38 @@ def test_a_compressed_folders_files_are_told_by_their_bytes_not_their_names(tmp_
         assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
 
 
+def test_the_commands_dschat_gives_for_a_compressed_file_work_on_a_path_with_a_space_and_a_quote(tmp_path):
+    """The decompress and rename commands in dschat's messages wrote paths as they are: under "my data's" the shell
+    split the path at the space and read the quote as an open string, so no command given could be pasted. Paths are
+    quoted where the shell needs it now (ordinary ones are written as before: the tests above): each message's
+    command, run in a shell, writes the file named, which reads as the plain data."""
+    import bz2
+    import gzip
+    import lzma
+    import subprocess
+
+    here = tmp_path / "my data's"
+    here.mkdir()
+    csv_text = pd.DataFrame(RECORDS).to_csv(index=False)
+    jsonl_text = "".join(json.dumps(r) + "\n" for r in RECORDS)
+    for name, data, spec, written in (
+            ("a.csv", gzip.compress(csv_text.encode()), "{}", "a.csv"),  # (decompress_command: mv, then gunzip)
+            ("b.csv.gz", csv_text.encode(), "{}", "b.csv"),  # (named_compressed_error: plain text named .gz)
+            ("c.jsonl.gz", jsonl_text.encode(), "{}", "c.jsonl"),  # (undecompressable_error: plain)
+            ("d.jsonl.gz", bz2.compress(jsonl_text.encode()), "{}", "d.jsonl.bz2"),  # (undecompressable_error: bzip2)
+            ("e.jsonl", gzip.compress(jsonl_text.encode()), "jsonl:{}", "e.jsonl.gz"),  # (compressed_error: JSON)
+            ("f/train.csv.gz", lzma.compress(csv_text.encode()), "{}", "f/train.csv")):  # (a folder's: xz)
+        path = here / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+        given = str(path.parent if name.startswith("f/") else path)
+        with pytest.raises(DatasetFormatError) as error:
+            raw(spec.format(given), tmp_path)
+        command = re.search(r"\(((?:mv|gunzip|unxz) .*?)\)(?:,| and|$)", str(error.value)).group(1)
+        subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+        assert len(raw(str(here / written), tmp_path).raw_datasets["train"]) == len(RECORDS), (name, command)
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

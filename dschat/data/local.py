@@ -79,6 +79,7 @@ import json
 import lzma
 import os
 import re
+import shlex
 import time
 import zlib
 from collections.abc import Sequence
@@ -1192,10 +1193,10 @@ def undecompressable_error(path, packed, err):
     plain = path[:-len(packed)]
     if held is None:
         return DatasetFormatError(f"{path}: not {tool} data, though its name says it is ({err}): where it is the "
-                                  f"uncompressed file, name it so (mv {path} {plain})")
+                                  f"uncompressed file, name it so ({rename_command(path, plain)})")
     if held in PACKED_JSON_EXTENSIONS:
         return DatasetFormatError(f"{path}: not {tool} data, though its name says it is: it is compressed with "
-                                  f"{held}; name it so (mv {path} {plain}{PACKED_JSON_EXTENSIONS[held]})")
+                                  f"{held}; name it so ({rename_command(path, plain + PACKED_JSON_EXTENSIONS[held])})")
     return compressed_error(path, held)
 
 
@@ -1226,7 +1227,7 @@ def plain_file_command(path, held):
     ``held`` (``held_compression``): that compression's command (``decompress_command``), or for none the rename to
     the name without the compression's extension (x.csv)."""
     if held is None:
-        return f"mv {path} {os.path.splitext(path)[0]}"
+        return rename_command(path, os.path.splitext(path)[0])
     return decompress_command(path, held)
 
 
@@ -1496,7 +1497,8 @@ def compressed_error(path, tool, where=None, kind=None):
     extension = PACKED_JSON_EXTENSIONS.get(tool)
     if extension and kind in ("json", "jsonl"):
         return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which its name does not say: "
-                                  f"name it so (mv {path} {path}{extension}), and it is read decompressed")
+                                  f"name it so ({rename_command(path, path + extension)}), and it is read "
+                                  "decompressed")
     return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read here "
                               "(it reads JSON and JSON Lines compressed with gzip, bzip2 or xz, named so: x.jsonl.gz): "
                               f"decompress it ({decompress_command(path, tool)}) and give the file that writes")
@@ -1508,13 +1510,20 @@ def decompress_command(path, tool):
     ignored"), and bunzip2 writes x.csv.out: such a file is named so first, and the plain file is written under its
     name. A name ending in another compression's extension (x.jsonl.gz holding zstd), or in the tool's own in capitals
     (unxz refuses .XZ), has it replaced, not added to: the plain file written is x.jsonl, not x.jsonl.gz (misnamed
-    again). (unzip reads an archive of any name.)"""
+    again). (unzip reads an archive of any name.) Paths are quoted where the shell needs it (``rename_command``)."""
     extension = TOOL_EXTENSIONS[tool]
     if tool == "zip" or path.endswith(extension):
-        return f"{DECOMPRESS[tool]} {path}"
+        return f"{DECOMPRESS[tool]} {shlex.quote(path)}"
     stem, last = os.path.splitext(path)
     packed = (stem if last.lower() in COMPRESSED_EXTENSIONS else path) + extension
-    return f"mv {path} {packed} && {DECOMPRESS[tool]} {packed}"
+    return f"{rename_command(path, packed)} && {DECOMPRESS[tool]} {shlex.quote(packed)}"
+
+
+def rename_command(path, new):
+    """The shell command that renames the file at ``path`` to ``new``: each path quoted where the shell would split or
+    read it (``shlex.quote``: a space, a quote), so that the command can be pasted; an ordinary path is written as it
+    is."""
+    return f"mv {shlex.quote(path)} {shlex.quote(new)}"
 
 
 def check_folder_not_compressed(folder, where=None):
