@@ -4930,6 +4930,8 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_it
     said = capsys.readouterr().out
     assert said.count("warning: the actor on RwkvForCausalLM generates from left-padded prompts otherwise") == 1
     assert "its recurrent layers read no attention mask" in said
+    # (what it says dschat does where it can is what the call above did: it said "HF generate takes each row alone")
+    assert "dschat's HF generate and hybrid engine take the rows of each prompt length together" in said
 
 
 @pytest.mark.parametrize("rows_apart", [True, False])
