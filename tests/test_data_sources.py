@@ -589,6 +589,22 @@ def test_a_compressed_train_files_folder_picks_its_eval_file_as_a_plain_train_fi
             raw(folder_of(train, "test.jsonl", "test.jsonl.gz"), tmp_path)
 
 
+def test_a_compressed_train_files_eval_file_in_data_is_read(tmp_path):
+    """train.jsonl.gz at a folder's top level beside data/test.jsonl: d334ab4 looked for the eval file at the top
+    level alone (as beside a plain train file) wherever the eval split file found was no shard, found none, and split
+    the train file 90/10 without a word; data/test.jsonl is the eval data, as it was before."""
+    import gzip
+
+    folder = tmp_path / "download"
+    (folder / "data").mkdir(parents=True)
+    text = "".join(json.dumps(r) + "\n" for r in RECORDS[:12]).encode()
+    (folder / "train.jsonl.gz").write_bytes(gzip.compress(text))
+    write_records(RECORDS[12:16], folder / "data" / "test.jsonl", "jsonl")
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:12])
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[12:16])
+
+
 def test_a_broken_line_of_a_compressed_file_given_by_its_path_is_named_by_file_and_line(tmp_path):
     """A compressed JSON Lines file given by its path gets the plain file's checks, over its text decompressed: a
     bad line named by the file and its number, a key written twice refused; a CSV compressed is refused, saying to

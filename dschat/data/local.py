@@ -1126,10 +1126,13 @@ def _folder_eval_file(folder, spec, flag=None):
 
 def _eval_files_named_plainly(folder, train, eval_files):
     """Whether the eval file of ``folder``, whose hub-layout train file is ``train``, is ``_folder_eval_file``'s, as
-    beside a plain train.EXT: ``train`` lies at the folder's top level (train.jsonl.gz), and none of the eval split
-    files found there (``eval_files``) is a shard (test-00000-of-00002.jsonl.gz: a download's, read as its splits)."""
-    return (os.path.samefile(os.path.dirname(train), folder)
-            and not any(_HUB_SPLIT_FILE.match(os.path.basename(path)) for path in eval_files))
+    beside a plain train.EXT: ``train`` lies at the folder's top level (train.jsonl.gz), and each eval split file
+    found (``eval_files``) lies there too and is no shard (test-00000-of-00002.jsonl.gz: a download's, read as its
+    splits). One in data/ (data/test.jsonl) is read as found: ``_folder_eval_file`` looks at the top level alone, and
+    the train file was split 90/10 without a word."""
+    return os.path.samefile(os.path.dirname(train), folder) and all(
+        os.path.samefile(os.path.dirname(path), folder) and not _HUB_SPLIT_FILE.match(os.path.basename(path))
+        for path in eval_files)
 
 
 def _split_file_names(name):
