@@ -720,6 +720,23 @@ def test_a_csv_named_compressed_is_told_by_its_bytes_not_its_name(tmp_path):
         assert plain.read_text() == csv_text and len(raw(str(plain), tmp_path).raw_datasets["train"]) == len(RECORDS)
 
 
+def test_json_lines_named_with_another_compression_is_told_a_name_that_replaces_it(tmp_path):
+    """jsonl:x.jsonl.zst holding gzip was told "name it so (mv x.jsonl.zst x.jsonl.zst.gz)": the .zst kept hid the
+    type, and x.jsonl.zst.gz given by its path was refused ("compressed with gzip ... decompress it"). The name given
+    replaces the extension (x.jsonl.gz), as decompress_command's does (e973f4b): run, it is read by its path."""
+    import gzip
+    import subprocess
+
+    path = tmp_path / "x.jsonl.zst"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
+    said = r"which its name does not say: name it so \((mv .*)\), and it is read decompressed"
+    with pytest.raises(DatasetFormatError, match=said) as error:
+        raw(f"jsonl:{path}", tmp_path)
+    subprocess.run(re.search(said, str(error.value)).group(1), shell=True, check=True)
+    adapter = raw(str(tmp_path / "x.jsonl.gz"), tmp_path)
+    assert len(adapter.raw_datasets["train"]) == len(RECORDS)
+
+
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
     """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
     said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its

@@ -1500,8 +1500,8 @@ def compressed_error(path, tool, where=None, kind=None):
     extension = PACKED_JSON_EXTENSIONS.get(tool)
     if extension and kind in ("json", "jsonl"):
         return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which its name does not say: "
-                                  f"name it so ({rename_command(path, path + extension)}), and it is read "
-                                  "decompressed")
+                                  f"name it so ({rename_command(path, named_compressed_with(path, extension))}), "
+                                  "and it is read decompressed")
     return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read here "
                               "(it reads JSON and JSON Lines compressed with gzip, bzip2 or xz, named so: x.jsonl.gz): "
                               f"decompress it ({decompress_command(path, tool)}) and give the file that writes")
@@ -1517,8 +1517,7 @@ def decompress_command(path, tool):
     extension = TOOL_EXTENSIONS[tool]
     if tool == "zip" or path.endswith(extension):
         return f"{DECOMPRESS[tool]} {shlex.quote(path)}"
-    stem, last = os.path.splitext(path)
-    packed = (stem if last.lower() in COMPRESSED_EXTENSIONS else path) + extension
+    packed = named_compressed_with(path, extension)
     return f"{rename_command(path, packed)} && {DECOMPRESS[tool]} {shlex.quote(packed)}"
 
 
@@ -1527,6 +1526,14 @@ def rename_command(path, new):
     read it (``shlex.quote``: a space, a quote), so that the command can be pasted; an ordinary path is written as it
     is."""
     return f"mv {shlex.quote(path)} {shlex.quote(new)}"
+
+
+def named_compressed_with(path, extension):
+    """``path`` named with the compression ``extension``: a trailing compression extension of another (or in
+    capitals) replaced, not added to (x.jsonl.zst holding gzip: x.jsonl.gz, not x.jsonl.zst.gz, whose .zst then
+    hides its type)."""
+    stem, last = os.path.splitext(path)
+    return (stem if last.lower() in COMPRESSED_EXTENSIONS else path) + extension
 
 
 def check_folder_not_compressed(folder, where=None):
