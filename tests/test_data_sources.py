@@ -720,6 +720,27 @@ def test_a_csv_named_compressed_is_told_by_its_bytes_not_its_name(tmp_path):
         assert plain.read_text() == csv_text and len(raw(str(plain), tmp_path).raw_datasets["train"]) == len(RECORDS)
 
 
+def test_a_folders_zipped_train_file_is_told_a_command_that_writes_beside_it(tmp_path):
+    """A folder's train.csv.zip was told "decompress its files (unzip FOLDER/train.csv.zip) and give the folder
+    again": unzip writes into the folder the command runs in, so the folder given again was refused again. Run
+    elsewhere, the command given writes FOLDER/train.csv, and the folder is read."""
+    import subprocess
+    import zipfile
+
+    folder, elsewhere = tmp_path / "zipped", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    with zipfile.ZipFile(folder / "train.csv.zip", "w") as archive:
+        archive.writestr("train.csv", pd.DataFrame(RECORDS).to_csv(index=False))
+    said = r"its train data train\.csv\.zip is compressed with zip, which dschat does not read: decompress its files " \
+           r"\((.*)\) and give the folder again"
+    with pytest.raises(DatasetFormatError, match=said) as error:
+        raw(str(folder), tmp_path)
+    subprocess.run(re.search(said, str(error.value)).group(1), shell=True, check=True, cwd=elsewhere,
+                   stdout=subprocess.DEVNULL)
+    assert len(raw(str(folder), tmp_path).raw_datasets["train"]) == len(RECORDS)
+
+
 def test_json_lines_named_with_another_compression_is_told_a_name_that_replaces_it(tmp_path):
     """jsonl:x.jsonl.zst holding gzip was told "name it so (mv x.jsonl.zst x.jsonl.zst.gz)": the .zst kept hid the
     type, and x.jsonl.zst.gz given by its path was refused ("compressed with gzip ... decompress it"). The name given

@@ -1513,9 +1513,13 @@ def decompress_command(path, tool):
     ignored"), and bunzip2 writes x.csv.out: such a file is named so first, and the plain file is written under its
     name. A name ending in another compression's extension (x.jsonl.gz holding zstd), or in the tool's own in capitals
     (unxz refuses .XZ), has it replaced, not added to: the plain file written is x.jsonl, not x.jsonl.gz (misnamed
-    again). (unzip reads an archive of any name.) Paths are quoted where the shell needs it (``rename_command``)."""
+    again). (unzip reads an archive of any name; it writes into the current folder, not the archive's, unless told:
+    a folder's train.csv.zip was extracted where the command ran, and the folder given again was refused again.)
+    Paths are quoted where the shell needs it (``rename_command``)."""
     extension = TOOL_EXTENSIONS[tool]
-    if tool == "zip" or path.endswith(extension):
+    if tool == "zip":
+        return f"{DECOMPRESS[tool]} -d {shlex.quote(os.path.dirname(path) or '.')} {shlex.quote(path)}"
+    if path.endswith(extension):
         return f"{DECOMPRESS[tool]} {shlex.quote(path)}"
     packed = named_compressed_with(path, extension)
     return f"{rename_command(path, packed)} && {DECOMPRESS[tool]} {shlex.quote(packed)}"
