@@ -190,3 +190,32 @@ def hub_cache_snapshot(hub, repo):
     (hub / repo / "refs").mkdir(parents=True)
     (hub / repo / "refs" / "main").write_text(commit)
     return hub / repo / "snapshots" / commit
+
+
+def tiny_rwkv():
+    """A tiny random RWKV causal LM (seeded, eval mode, no EOS or pad id): what the RWKV decode tests generate with."""
+    from transformers import AutoModelForCausalLM, RwkvConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(RwkvConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=64, bos_token_id=None, eos_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+def hub_files_asked(monkeypatch, repo):
+    """The file names transformers' ``cached_file`` is asked for of the hub model ``repo`` from now on (a list that
+    grows): how many fetches a check makes."""
+    import transformers.utils.hub
+
+    asked = []
+    cached_file = transformers.utils.hub.cached_file
+
+    def counted(name, filename, **kwargs):
+        if name == repo:
+            asked.append(filename)
+        return cached_file(name, filename, **kwargs)
+
+    monkeypatch.setattr(transformers.utils.hub, "cached_file", counted)
+    return asked

@@ -1042,24 +1042,15 @@ def test_a_hub_reward_models_files_are_fetched_once_per_process(hub_cache, monke
     since is fetched again (here: it is gone from the hub cache, an error), not taken from what this process saw."""
     import shutil
 
-    import transformers.utils.hub
-
     from dschat.errors import MissingInputError
     from dschat.models.reward_model import has_trained_value_head
     from dschat.rlhf.config import check_reward_model_trained
+    from helpers import hub_files_asked
 
     name = "acme/fetched-once-rm"
     snapshot = hub_cache(name, lambda folder: save_reward_model(RewardModel(AutoModel.from_config(CONFIGS["gpt2"]())),
                                                                 _Tok(), str(folder)))
-    asked = []
-    cached_file = transformers.utils.hub.cached_file
-
-    def counted(repo, filename, **kwargs):
-        if repo == name:
-            asked.append(filename)
-        return cached_file(repo, filename, **kwargs)
-
-    monkeypatch.setattr(transformers.utils.hub, "cached_file", counted)
+    asked = hub_files_asked(monkeypatch, name)
     check_reward_model_trained(name)
     assert has_trained_value_head(name)
     assert asked.count("config.json") == 1, asked

@@ -15,7 +15,7 @@ from dschat.rlhf import evaluation
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
 from helpers import (PPO_FAST, RM_FAST, SFT_FAST, count_copy_refreshes, engines_alive, engines_made,
-                     saved_tensors, spy_on_empty_query_rows)
+                     saved_tensors, spy_on_empty_query_rows, tiny_rwkv)
 from launch import REPO, run_deepspeed
 
 
@@ -4881,15 +4881,13 @@ def test_hf_generate_of_a_one_token_prompt_is_the_same_after_another_generation(
     assert torch.equal(again, first) and first[0, 1:].tolist()[:2] == [89, 49]
 
 
-def _tiny_rwkv_actor():
-    from transformers import AutoModelForCausalLM, RwkvConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(RwkvConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
-        context_length=64, bos_token_id=None, eos_token_id=None)).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    return model
+def _left_padded(prompts, width):
+    """(ids, attention mask) of ``prompts`` (lists of token ids) left-padded with 0 to ``width``."""
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
+    return ids, mask
 
 
 def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_its_padding(capsys, monkeypatch):
@@ -4904,13 +4902,10 @@ def test_an_actor_whose_outputs_left_padding_moves_generates_each_row_without_it
     from dschat.rlhf.trainer import hf_generate
 
     monkeypatch.setattr(left_padding, "_WARNED_LEFT_PADDING", set())
-    model = _tiny_rwkv_actor()
+    model = tiny_rwkv()
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
     prompts = [[10, 11, 12, 13, 14], [20], [30, 31, 32], [40, 41, 42]]
-    ids = torch.zeros(4, 5, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, 5 - len(prompt):], mask[row, 5 - len(prompt):] = torch.tensor(prompt), 1
+    ids, mask = _left_padded(prompts, 5)
     call = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -4945,13 +4940,10 @@ def test_rwkv_rows_of_one_prompt_length_generate_together_where_its_decode_keeps
 
     if not rows_apart:
         monkeypatch.setattr(compat, "rwkv_decode_keeps_rows_apart", lambda model: False)
-    model = _tiny_rwkv_actor()
+    model = tiny_rwkv()
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
     prompts = [[10, 11, 12, 13, 14], [30, 31, 32], [20], [40, 41, 42]]
-    ids = torch.zeros(4, 5, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, 5 - len(prompt):], mask[row, 5 - len(prompt):] = torch.tensor(prompt), 1
+    ids, mask = _left_padded(prompts, 5)
     call = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -4974,7 +4966,7 @@ def test_a_batch_generated_as_it_is_gets_rwkvs_and_xlstms_mends_too(family, fall
     unpadded rows generated together answer as each alone."""
     from dschat.rlhf.trainer import hf_generate
 
-    model = {"rwkv": _tiny_rwkv_actor, "xlstm": _tiny_xlstm}[family]()
+    model = {"rwkv": tiny_rwkv, "xlstm": _tiny_xlstm}[family]()
     pad_id = None if fallback == "no pad id" else 0
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": pad_id})()
     ids = torch.tensor([[10, 11, 12, 13], [30, 31, 32, 33], [50, 51, 52, 53]])

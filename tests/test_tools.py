@@ -758,24 +758,15 @@ def test_a_step3_critic_on_the_hub_given_as_the_reward_model_is_warned_of_from_t
     """The tools warned of a critic given as the reward model only for a folder: a hub name's reward_model.json
     ("role": "critic", as a notebook's save_reward_model(engine.critic, ...) writes it) was left unread, as a second
     fetch of its files. Now read from the files the value-head check fetched, no hub request of its own."""
-    import transformers.utils.hub
-
     from dschat.tools import rw_eval
     from dschat.tools.common import check_reward_model
+    from helpers import hub_files_asked
 
     name = "acme/ppo-critic"
     snapshot = hub_cache(name, lambda folder: shutil.copytree(models["rm"], folder))
     meta = json.loads((snapshot / "reward_model.json").read_text())
     (snapshot / "reward_model.json").write_text(json.dumps({**meta, "role": "critic"}))
-    asked = []
-    cached_file = transformers.utils.hub.cached_file
-
-    def counted(repo, filename, **kwargs):
-        if repo == name:
-            asked.append(filename)
-        return cached_file(repo, filename, **kwargs)
-
-    monkeypatch.setattr(transformers.utils.hub, "cached_file", counted)
+    asked = hub_files_asked(monkeypatch, name)
     warned = f"warning: {name}: step 3's critic (the value model PPO trains beside the actor), not a reward model"
     check_reward_model(name)
     assert warned in capsys.readouterr().err

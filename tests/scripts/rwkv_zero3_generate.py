@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import tiny_rwkv  # noqa: E402
 from hybrid_common import ds_config  # noqa: E402
 
 NEW_TOKENS = 6
@@ -26,17 +28,6 @@ class Tokenizer:
 
     def __len__(self):
         return 96
-
-
-def tiny_rwkv():
-    from transformers import AutoModelForCausalLM, RwkvConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(RwkvConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
-        context_length=64, bos_token_id=None, eos_token_id=None)).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    return model
 
 
 def prompts_of(rank):
