@@ -623,7 +623,7 @@ def test_train_py_checks_each_steps_config_file_before_the_first_step_and_zero_s
     parse = runpy.run_path(str(REPO / "train.py"))["parse_args"]
     stage3 = _write(tmp_path, {"zero_optimization": {"stage": 3}})
     args = parse(["--output-dir", str(tmp_path / "out"), "--step2-args", f"--deepspeed {stage3}"])
-    with pytest.raises(ValueError, match="zero_optimization.stage = 3.*--zero_stage"):
+    with pytest.raises(ValueError, match="zero_optimization.stage = 3.*set it with --reward-zero-stage"):
         pipeline.check_step_args([1, 2, 3], args, True, {1: step1_parser, 2: step2_parser, 3: step3_parser})
     missing = parse(["--step3-args", "--deepspeed_config /no/such.json"])
     with pytest.raises(FileNotFoundError, match="/no/such.json"):
