@@ -11,7 +11,8 @@ import json
 import os
 from types import SimpleNamespace
 
-from dschat.args import add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of, seed_int
+from dschat.args import (DEFAULT_SEED, add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of,
+                         seed_int)
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path, is_tiny_data
 from dschat.models.loading import (check_sequence_fits, embedding_rows, grow_embeddings_for, load_tokenizer,
@@ -194,7 +195,7 @@ def build_parser():
                         help=f"As in step 3 (longer prompts skipped; default: {RUN_DEFAULT}).")
     parser.add_argument("--per_device_generation_batch_size", type=positive_int, default=16,
                         help=f"Prompts per generation batch (default: {RUN_DEFAULT}).")
-    parser.add_argument("--seed", type=seed_int, default=1234,
+    parser.add_argument("--seed", type=seed_int, default=DEFAULT_SEED,
                         help=f"Step 3's seed (it chooses the held-out share; default: {RUN_DEFAULT}).")
     parser.add_argument("--padded_forwards", action=argparse.BooleanOptionalAction, default=False,
                         help="Score the reward model over the left-padded rows with an attention mask, as step 3 with "
