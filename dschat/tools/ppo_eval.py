@@ -225,7 +225,8 @@ STEP3_DATA_FLAGS = ("data_path", "data_split", "data_fields", "pad_to_multiple_o
 
 def step3_run_defaults(args, policy_lookup=None):
     """(this tool's defaults from the step-3 run that wrote the policy, the training_args.json they come from), else
-    ({}, None); ``policy_lookup``: --policy's (path, report), ``flag_path_and_report``'s, where already looked up. A run folder's SFT model takes the step 3's or DPO step's beside it that started from it
+    ({}, None); ``policy_lookup``: --policy's (path, report), ``flag_path_and_report``'s, where already looked up. A
+    run folder's SFT model takes the step 3's or DPO step's beside it that started from it
     (``sft_comparison_run``), as the same prompts are what it is compared on (train.py --recipe dpo's report scores it
     beside the DPO policy); a DPO policy takes its DPO run's (``dpo_run_defaults``)."""
     policy_path, report = policy_lookup or flag_path_and_report("--policy", find_policy_path, args.policy)
