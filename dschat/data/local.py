@@ -1016,8 +1016,8 @@ def check_subsets_alike(where, folder, splits, names):
                              "(all its files), or give a subset's folder to read it alone")
 
 
-def hub_download_split(where, name, files):
-    """The split ``name`` of a hub dataset's download, its ``files`` (``_hub_split_files``, checked by the caller:
+def hub_download_split(files):
+    """A split of a hub dataset's download, its ``files`` (``_hub_split_files``, checked by the caller:
     ``check_download_splits``), read as a --data_path folder's split is, its shards (its subsets' files) read as one
     (``load_split_files``)."""
     return load_split_files(hub_data_kind(files[0]), files)[0]

@@ -283,7 +283,7 @@ def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
     error names ``flag``."""
     from .local import hub_download_split
 
-    return hub_download_split(given_as(flag, name), "train", download_train_files(name, folder, copy, flag))
+    return hub_download_split(download_train_files(name, folder, copy, flag))
 
 
 def download_train_files(name, folder, copy, flag="--unsupervised_dataset_name"):
@@ -311,8 +311,7 @@ def local_copy_train(folder, config_name=None):
 
     if _is_saved_dataset(folder):
         return _saved_train_split(folder)
-    return hub_download_split(given_as("--unsupervised_dataset_name", folder), "train",
-                              local_download_train_files(folder, config_name))
+    return hub_download_split(local_download_train_files(folder, config_name))
 
 
 def local_download_train_files(folder, config_name=None):
