@@ -1933,10 +1933,12 @@ def _has_json_feature(feature):
 
 
 def _json_records(kind, path):
-    """The records of a JSON/JSONL file as the json module reads them (the file was checked already)."""
+    """The records of a JSON/JSONL file as the json module reads them (the file was checked already). A .json of JSON
+    Lines (``_starts_as_json_lines``: c4's shards) is read as JSON Lines, as its check reads it, not parsed whole
+    first and failing."""
     with open_data_file(path, text_encoding(path)) as f:
         text = f.read()
-    if kind == "json":
+    if kind == "json" and not _starts_as_json_lines(path):
         try:
             document = json.loads(text)
             return [document] if isinstance(document, dict) else document  # one JSON Lines record
