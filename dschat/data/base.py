@@ -35,21 +35,19 @@ def load_hub_dataset(name, flag, *args, **kwargs):
     read (the error of one that cannot be says why, once)."""
     from datasets import load_dataset
 
-    from dschat.models.loading import hub_unavailable, read_hub_cache_only_if_unreachable, say_hub_cache_only
+    from dschat.models.loading import hub_cache_only_said_after, hub_unavailable
 
-    turned_offline = read_hub_cache_only_if_unreachable(say=False)
-    try:
-        dataset = load_dataset(name, *args, **kwargs)
-    except (ConnectionError, FileNotFoundError) as err:
-        why = hub_unavailable()
-        if why:  # (datasets says "Couldn't reach ... (OfflineModeIsEnabled)": the cache lacks it)
-            raise MissingInputError(f"{flag} {name}: not in the datasets cache, and {why}; download it where the hub "
-                                    "can be reached, or give a local file or a folder written by save_to_disk") from err
-        raise MissingInputError(f"{flag} {name}: could not be loaded from the hub ({type(err).__name__}: {err}); "
-                                f"without the hub, give a local file or a folder written by save_to_disk") from err
-    if turned_offline:
-        say_hub_cache_only(turned_offline)
-    return dataset
+    with hub_cache_only_said_after():
+        try:
+            return load_dataset(name, *args, **kwargs)
+        except (ConnectionError, FileNotFoundError) as err:
+            why = hub_unavailable()
+            if why:  # (datasets says "Couldn't reach ... (OfflineModeIsEnabled)": the cache lacks it)
+                raise MissingInputError(f"{flag} {name}: not in the datasets cache, and {why}; download it where the "
+                                        "hub can be reached, or give a local file or a folder written by "
+                                        "save_to_disk") from err
+            raise MissingInputError(f"{flag} {name}: could not be loaded from the hub ({type(err).__name__}: {err}); "
+                                    f"without the hub, give a local file or a folder written by save_to_disk") from err
 
 
 def hub_cache_download(name, config_name=None):
@@ -85,21 +83,17 @@ def load_hub_dataset_else_download(name, flag, read_download, config_name=None, 
     the hub is out of reach), ``read_download(folder, copy)`` of its download in the hub cache (``hub_cache_download``;
     ``copy``: it as errors say it), said on stdout. A hub that answered, and failed, is its error to say. The prompt
     datasets' readers and step 3's --unsupervised_dataset_name read hub data so."""
-    from dschat.models.loading import read_hub_cache_only_if_unreachable, say_hub_cache_only
+    from dschat.models.loading import hub_cache_only_said_after, hub_unavailable
 
     # (offline mode turned on here, not in load_hub_dataset: its notice is said once either copy is read)
-    turned_offline = read_hub_cache_only_if_unreachable(say=False)
-    try:
-        dataset = load_hub_dataset(name, flag, *([config_name] if config_name else []), **kwargs)
-    except MissingInputError:
-        from dschat.models.loading import hub_unavailable
-
-        snapshot = hub_unavailable() and hub_cache_download(name, config_name)
-        if not snapshot:
-            raise
-        dataset = None
-    if turned_offline:
-        say_hub_cache_only(turned_offline)
+    with hub_cache_only_said_after():
+        try:
+            dataset = load_hub_dataset(name, flag, *([config_name] if config_name else []), **kwargs)
+        except MissingInputError:
+            snapshot = hub_unavailable() and hub_cache_download(name, config_name)
+            if not snapshot:
+                raise
+            dataset = None
     if dataset is not None:
         return dataset
     from dschat.utils.dist import print_rank_0

@@ -282,6 +282,17 @@ def read_hub_cache_only_if_unreachable(say=True):
     return failure
 
 
+@contextlib.contextmanager
+def hub_cache_only_said_after():
+    """``read_hub_cache_only_if_unreachable``, its notice said once the block has read what it reads, not if it
+    raises (its error says why: the notice would say it twice). Nested, the inner one finds offline mode on: the
+    outer one says it."""
+    failure = read_hub_cache_only_if_unreachable(say=False)
+    yield
+    if failure:
+        say_hub_cache_only(failure)
+
+
 def say_hub_cache_only(failure):
     """The notice that offline mode was turned on because the hub did not answer (``failure``: why)."""
     from dschat.utils.dist import print_rank_0
