@@ -980,25 +980,21 @@ def _hub_layout_source(kind, folder, spec, flag=None):
                        more_train=tuple(splits["train"][1:]), more_eval=tuple(evaluation[1:]))
 
 
-# the folders (real paths) whose subfolders' joined split files were said: once per folder per process
-_SUBFOLDERS_JOINED_SAID = set()
-
-
 def say_subfolders_joined(spec, folder, files):
     """A folder with no data files at its top level whose split files (``files``, those read) are in two or more of
     its subfolders (``_hub_split_files``: mydata/v1/train.jsonl and mydata/v2/train.jsonl, or a hub download's
     subsets) is read as one dataset, each split its subfolders' files joined: said on stdout, naming them, once per
     folder per process, so no two datasets are merged without a word (``spec``: the data as given)."""
-    from dschat.utils.dist import print_rank_0
+    from dschat.utils.dist import print_rank_0_once
 
     top = {os.path.normpath(folder), os.path.normpath(os.path.join(folder, "data"))}
     subfolders = sorted({os.path.normpath(os.path.dirname(path)) for path in files} - top)
-    if len(subfolders) < 2 or os.path.realpath(folder) in _SUBFOLDERS_JOINED_SAID:
+    if len(subfolders) < 2:
         return
-    _SUBFOLDERS_JOINED_SAID.add(os.path.realpath(folder))
-    print_rank_0(f"[dschat.data] {spec}: no data files at the folder's top level; the split files of its subfolders "
-                 f"{', '.join(map(os.path.basename, subfolders))} are read as one dataset, each split joined in that "
-                 "order")
+    print_rank_0_once(("subfolders joined", os.path.realpath(folder)),
+                      f"[dschat.data] {spec}: no data files at the folder's top level; the split files of its "
+                      f"subfolders {', '.join(map(os.path.basename, subfolders))} are read as one dataset, each split "
+                      "joined in that order")
 
 
 def check_subsets_alike(where, folder, splits, names):
@@ -1023,22 +1019,18 @@ def hub_download_split(files):
     return load_split_files(hub_data_kind(files[0]), files)[0]
 
 
-# the partial downloads said: once per data and shard counts per process
-_PARTIAL_DOWNLOADS_SAID = set()
-
-
 def check_download_splits(where, splits, names):
     """The splits ``names`` of a download (``splits``: {split: [files]}, ``_hub_split_files``) checked
     (``_check_split_files``; ``where``: the data as its errors name it, after its flag). A split of which the download
     holds only some numbered shards is read from those, as a download of some of allenai/c4's 1024 shards
     (``hf download --include 'en/c4-train.0000[0-9]-of-01024.json.gz'``, the common way to use it: its en config is
     300+ GB) needs; how many of how many is said once (rank 0), so that no partial split is read unsaid."""
-    from dschat.utils.dist import print_rank_0
+    from dschat.utils.dist import print_rank_0_once
 
     partial = [said for name in names if (said := _check_split_files(where, name, splits[name]))]
-    if partial and (where, *partial) not in _PARTIAL_DOWNLOADS_SAID:
-        _PARTIAL_DOWNLOADS_SAID.add((where, *partial))
-        print_rank_0(f"[dschat.data] {where}: the download holds {', '.join(partial)}: reading those")
+    if partial:
+        print_rank_0_once(("partial download", where, *partial),
+                          f"[dschat.data] {where}: the download holds {', '.join(partial)}: reading those")
 
 
 def _check_split_files(where, name, files):

@@ -158,6 +158,18 @@ def print_rank_0(*args, **kwargs):
         print_beside_progress_bars(*args, **kwargs)
 
 
+# what ``print_rank_0_once`` has said in this process, by its caller's key
+_SAID_ONCE = set()
+
+
+def print_rank_0_once(key, text):
+    """``print_rank_0(text)`` the first time this process is asked with ``key`` (hashable: what the notice is
+    about), nothing after: a notice of the data, read by the pre-flight and again by a step, said once."""
+    if key not in _SAID_ONCE:
+        _SAID_ONCE.add(key)
+        print_rank_0(text)
+
+
 def print_beside_progress_bars(*args, **kwargs):
     """``print`` (flushed) with tqdm's progress bars cleared first and drawn again after it, as ``tqdm.write`` does: a
     line printed under a bar (a step's --print_loss line, step 3's hybrid-engine stats after every iteration) was
