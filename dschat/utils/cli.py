@@ -2,7 +2,8 @@
 with that message and exit status 2, not a traceback through DeepSpeed, datasets and the step code; a diverged run
 (a non-finite loss or gradient norm: exit status 1), a rank whose collective failed because another rank stopped (1),
 a write to a full disk (1) and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks. Also
-what the ranks and tools say on stderr: a warning once per process (``say_once``), once per launch (``first_to_say``)."""
+what the ranks and tools say on stderr: a warning once per process (``say_once``), once per launch
+(``first_to_say``)."""
 import hashlib
 import os
 import select
