@@ -209,10 +209,47 @@ def initialize_unloaded_weights_zero3(model):
         initialize(model, model._initialize_weights)
 
 
-# Whether RWKV's batched one-token decode step keeps a batch's rows apart in this process (transformers' own, or
-# with dschat's fix put in): probed once, by ``rwkv_decode_keeps_rows_apart``.
-_RWKV_ROWS_APART = {}
-_RWKV_TRANSFORMERS_METHODS = {}  # (class, name): transformers' own method, where the fix replaced it
+class LibraryMend:
+    """dschat's fix of some methods of a library's classes, put in for the whole process only where a probe shows the
+    library's own failing it, and kept only where the probe then holds; else the library's own methods are put back.
+    The probes (``works``: no arguments, True where it holds) read no model's weights, so any rank may run them alone,
+    at any time. One holder of a mend's state: the library's own methods while the fix is in, and the answer of a
+    mend probed once per process."""
+
+    def __init__(self, fixes):
+        self.fixes = fixes  # () -> {(class, method name): dschat's method}: imports the library only when called
+        self.replaced = {}  # (class, method name): the library's own method, while the fix is in
+        self.answer = None  # ``holds_once``'s, once probed
+
+    def holds(self, works):
+        """Whether ``works()`` holds, with the fix put in first where the library's own fails it. Not put in twice:
+        where it is in already and the probe still fails, False; where the patched probe fails, the library's own
+        methods go back (False), and a later call tries again."""
+        if works():
+            return True
+        if self.replaced:
+            return False
+        fixes = self.fixes()
+        self.replaced = {where: getattr(*where) for where in fixes}
+        for (cls, name), method in fixes.items():
+            setattr(cls, name, method)
+        if works():
+            return True
+        self.restore()
+        return False
+
+    def holds_once(self, make_works):
+        """``holds(make_works())``, asked once per process: later calls get the first answer (nothing probed, nothing
+        put in, the probe not even made)."""
+        if self.answer is None:
+            self.answer = self.holds(make_works())
+        return self.answer
+
+    def restore(self):
+        """The library's own methods back in place of the fix."""
+        for (cls, name), method in self.replaced.items():
+            setattr(cls, name, method)
+        self.replaced = {}
 
 
 def rwkv_decode_keeps_rows_apart(model):
@@ -226,15 +263,13 @@ def rwkv_decode_keeps_rows_apart(model):
     second token on (one row is right).
 
     The fix (``_rwkv_shifted``: a one-token step shifts as transformers' multi-token path does, which is right for one
-    token too) goes in, for the whole process, only where a probe shows the mix, and stays only where that probe then
-    gives each row's output alone as transformers' own computes it; else it is taken out again (False: generate the
-    rows one at a time). Probed once per process, on a tiny block of the probe's own (``_rwkv_probe_block``), not on
-    ``model``'s weights, which ZeRO-3 partitions: no rank gathers anything, so any rank may call it at any time, alone
-    or under ``synced_gpus``, and all come to the same answer."""
+    token too) goes in (``LibraryMend``), for the whole process, only where a probe shows the mix, and stays only
+    where that probe then gives each row's output alone as transformers' own computes it; else it is taken out again
+    (False: generate the rows one at a time). Probed once per process, on a tiny block of the probe's own
+    (``_rwkv_probe_block``), not on ``model``'s weights, which ZeRO-3 partitions: no rank gathers anything, so any rank
+    may call it at any time, alone or under ``synced_gpus``, and all come to the same answer."""
     _first_rwkv_block(model)  # (only that it is transformers' RWKV, whose classes the fix replaces methods of)
-    if "apart" not in _RWKV_ROWS_APART:
-        _RWKV_ROWS_APART["apart"] = _rwkv_rows_apart_fixing_if_mixed(_rwkv_probe_block(model.config))
-    return _RWKV_ROWS_APART["apart"]
+    return _RWKV_DECODE_MEND.holds_once(lambda: _rwkv_rows_apart_probe(model.config))
 
 
 def _first_rwkv_block(model):
@@ -266,21 +301,12 @@ def _rwkv_probe_block(config):
     return block
 
 
-def _rwkv_rows_apart_fixing_if_mixed(block):
-    together, alone = _rwkv_one_token_step_outputs(block)
-    if _same_rows(together, alone):
-        return True
-    fixes = _rwkv_one_token_step_fixes()
-    replaced = {where: getattr(*where) for where in fixes}
-    for (cls, name), method in fixes.items():
-        _RWKV_TRANSFORMERS_METHODS.setdefault((cls, name), replaced[cls, name])
-        setattr(cls, name, method)
-    fixed, _ = _rwkv_one_token_step_outputs(block)
-    if _same_rows(fixed, alone):  # (``alone``: transformers' own code, right for one row)
-        return True
-    for (cls, name), method in replaced.items():
-        setattr(cls, name, method)
-    return False
+def _rwkv_rows_apart_probe(config):
+    """A probe (``LibraryMend.holds``'s ``works``) of whether a one-token step of two rows together, on a probe block
+    for ``config``, gives each row's output alone as transformers' own code computes it (right for one row)."""
+    block = _rwkv_probe_block(config)
+    alone = _rwkv_one_token_step_rows_alone(block)  # (computed before any fix goes in)
+    return lambda: _same_rows(_rwkv_one_token_step_rows_together(block), alone)
 
 
 def _rwkv_one_token_step_fixes():
@@ -291,23 +317,40 @@ def _rwkv_one_token_step_fixes():
             (RwkvFeedForward, "forward"): _rwkv_feed_forward}
 
 
-def _rwkv_one_token_step_outputs(block):
-    """``block``'s (``_rwkv_probe_block``'s: float32, on the CPU) outputs of one one-token step of two rows from a
-    state: the rows together, and each alone."""
+_RWKV_DECODE_MEND = LibraryMend(_rwkv_one_token_step_fixes)
+
+
+def _rwkv_one_token_step_rows_together(block):
+    """``block``'s (``_rwkv_probe_block``'s: float32, on the CPU) output of one one-token step of two rows from a
+    state, the rows together."""
+    import torch
+
+    with torch.no_grad():
+        return block(_rwkv_probe_hidden(block), state=_rwkv_probe_state(block), use_cache=True)[0]
+
+
+def _rwkv_one_token_step_rows_alone(block):
+    """As ``_rwkv_one_token_step_rows_together``, each row alone."""
+    import torch
+
+    hidden, state = _rwkv_probe_hidden(block), _rwkv_probe_state(block)
+    with torch.no_grad():
+        return torch.cat([block(hidden[r:r + 1], state=[s[r:r + 1].clone() for s in state], use_cache=True)[0]
+                          for r in range(2)])
+
+
+def _rwkv_probe_hidden(block):
+    import torch
+
+    return torch.linspace(-1, 1, 2 * block.config.hidden_size).reshape(2, 1, block.config.hidden_size)
+
+
+def _rwkv_probe_state(block):
+    """Two distinct rows of state: the time-mix shifts (0, 1) and the wkv sums (2-4)."""
     import torch
 
     width, layers = block.config.hidden_size, block.layer_id + 1
-    hidden = torch.linspace(-1, 1, 2 * width).reshape(2, 1, width)
-
-    def state():  # distinct rows: the time-mix shifts (0, 1) and the wkv sums (2-4)
-        return [torch.linspace(0.5, 1.5, 2 * width * layers).reshape(2, width, layers) for _ in range(5)]
-
-    with torch.no_grad():
-        together = block(hidden, state=state(), use_cache=True)[0]
-        rows = state()
-        alone = torch.cat([block(hidden[r:r + 1], state=[s[r:r + 1].clone() for s in rows], use_cache=True)[0]
-                           for r in range(2)])
-    return together, alone
+    return [torch.linspace(0.5, 1.5, 2 * width * layers).reshape(2, width, layers) for _ in range(5)]
 
 
 def _same_rows(together, alone):
@@ -352,9 +395,6 @@ def _rwkv_feed_forward(self, hidden, state=None):
     return torch.sigmoid(self.receptance(receptance)) * value, state
 
 
-_XLSTM_TRANSFORMERS_CACHE_INIT = {}  # "init": transformers' own ``xLSTMCache.__init__``, where the fix replaced it
-
-
 def xlstm_cache_fits_its_layers(model):
     """Whether transformers' ``xLSTMCache`` (made by the first forward with a cache: every HF generate) holds states of
     the widths ``model``'s mLSTM layers compute, with dschat's fix put in where transformers' own does not.
@@ -366,21 +406,12 @@ def xlstm_cache_fits_its_layers(model):
     shape`` (modeling_xlstm.py line 412). Sizes whose products are multiples of 64 (xLSTM-7b's: 2048 and 4096) fit
     as they are.
 
-    The fix (``_xlstm_cache_init``: transformers' own, then each state as wide as the layers compute) goes in, for the
-    whole process, only where a cache of one row for ``model``'s config (on the meta device: nothing allocated) misfits
-    its first mLSTM layer, and stays only where such a cache then fits it; else it is taken out again (False)."""
-    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
-
+    The fix (``_xlstm_cache_init``: transformers' own, then each state as wide as the layers compute) goes in
+    (``LibraryMend``), for the whole process, only where a cache of one row for ``model``'s config (on the meta device:
+    nothing allocated) misfits its first mLSTM layer, and stays only where such a cache then fits it; else it is taken
+    out again (False)."""
     layer = _first_mlstm_layer(model)
-    fits = _xlstm_cache_fits(model.config, layer)
-    if fits or _XLSTM_TRANSFORMERS_CACHE_INIT:  # (as it is, or with the fix in already)
-        return fits
-    _XLSTM_TRANSFORMERS_CACHE_INIT["init"] = xLSTMCache.__init__
-    xLSTMCache.__init__ = _xlstm_cache_init
-    if _xlstm_cache_fits(model.config, layer):
-        return True
-    xLSTMCache.__init__ = _XLSTM_TRANSFORMERS_CACHE_INIT.pop("init")
-    return False
+    return _XLSTM_CACHE_MEND.holds(lambda: _xlstm_cache_fits(model.config, layer))  # (per model: its config's sizes)
 
 
 def _first_mlstm_layer(model):
@@ -405,10 +436,22 @@ def _xlstm_cache_fits(config, layer):
 def _xlstm_cache_init(self, config, max_batch_size, *args, **kwargs):
     """transformers' ``xLSTMCache.__init__``, then each layer's states as wide as ``xLSTMLayer`` computes them: its
     projections' widths (``int(hidden_size * factor)``, unrounded) split among the heads."""
-    _XLSTM_TRANSFORMERS_CACHE_INIT["init"](self, config, max_batch_size, *args, **kwargs)
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    _XLSTM_CACHE_MEND.replaced[xLSTMCache, "__init__"](self, config, max_batch_size, *args, **kwargs)
     heads = config.num_heads
     qk, v = (int(config.hidden_size * config.qk_dim_factor) // heads,
              int(config.hidden_size * config.v_dim_factor) // heads)
     shapes = ((max_batch_size, heads, qk, v), (max_batch_size, heads, qk), (max_batch_size, heads, 1))
     self.rnn_state = {layer: tuple(state.new_zeros(shape) for state, shape in zip(states, shapes))
                       for layer, states in self.rnn_state.items()}
+
+
+def _xlstm_cache_fixes():
+    """(class, method name): dschat's method, for the one of transformers' xLSTM methods that the fix replaces."""
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    return {(xLSTMCache, "__init__"): _xlstm_cache_init}
+
+
+_XLSTM_CACHE_MEND = LibraryMend(_xlstm_cache_fixes)

@@ -134,26 +134,26 @@ def unreachable_hub(monkeypatch):
     hub_probe_failure.cache_clear()
 
 
+def _library_mend_undone(monkeypatch, mend):
+    """The library's own methods in place of ``mend``'s fix (a test before may have put it in) and ``mend`` not yet
+    probed; both as they were after the test."""
+    for cls, name in mend.fixes():
+        monkeypatch.setattr(cls, name, mend.replaced.get((cls, name), getattr(cls, name)))
+    monkeypatch.setattr(mend, "replaced", {})
+    monkeypatch.setattr(mend, "answer", None)
+
+
 @pytest.fixture
 def transformers_rwkv_steps(monkeypatch):
-    """transformers' own RWKV one-token step methods in place (a test before may have put dschat's fix in) and the
-    probe not yet run; both as they were after the test."""
+    """transformers' own RWKV one-token step methods in place and the probe not yet run (``_library_mend_undone``)."""
     from dschat import compat
 
-    for (cls, name), method in compat._RWKV_TRANSFORMERS_METHODS.items():
-        monkeypatch.setattr(cls, name, method)
-    for (cls, name) in compat._rwkv_one_token_step_fixes():
-        monkeypatch.setattr(cls, name, getattr(cls, name))  # (put back after the test, whatever it put in)
-    monkeypatch.setattr(compat, "_RWKV_ROWS_APART", {})
+    _library_mend_undone(monkeypatch, compat._RWKV_DECODE_MEND)
 
 
 @pytest.fixture
 def transformers_xlstm_cache(monkeypatch):
-    """transformers' own ``xLSTMCache.__init__`` in place (a test before may have put dschat's fix in); both as they
-    were after the test."""
-    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
-
+    """transformers' own ``xLSTMCache.__init__`` in place (``_library_mend_undone``)."""
     from dschat import compat
 
-    monkeypatch.setattr(xLSTMCache, "__init__", compat._XLSTM_TRANSFORMERS_CACHE_INIT.get("init", xLSTMCache.__init__))
-    monkeypatch.setattr(compat, "_XLSTM_TRANSFORMERS_CACHE_INIT", {})
+    _library_mend_undone(monkeypatch, compat._XLSTM_CACHE_MEND)

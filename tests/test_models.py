@@ -339,9 +339,34 @@ def test_xlstms_cache_fits_its_layers_with_the_fix(transformers_xlstm_cache):
         answers = lm.generate(prompts, attention_mask=torch.ones_like(prompts), **call)
         for row in range(3):
             assert torch.equal(answers[row:row + 1], lm.generate(prompts[row:row + 1], **call))
-    xLSTMCache.__init__ = transformers_init  # (the fixture puts back what was there)
-    compat._XLSTM_TRANSFORMERS_CACHE_INIT.clear()
+    compat._XLSTM_CACHE_MEND.restore()  # (the fixture puts back what was there)
+    assert xLSTMCache.__init__ is transformers_init
     assert compat.xlstm_cache_fits_its_layers(_tiny_xlstm(128)) and xLSTMCache.__init__ is transformers_init
+
+
+def test_a_library_mend_whose_fix_fails_its_probe_puts_the_librarys_own_methods_back():
+    """``compat.LibraryMend`` (RWKV's and xLSTM's mends): where the probe still fails with the fix in, the library's own
+    methods go back and the answer is False; ``holds`` tries again at a later call (per model: xLSTM's), while
+    ``holds_once`` (RWKV's) remembers the first answer and neither probes nor puts anything in again."""
+    from dschat import compat
+
+    class Library:
+        def answer(self):
+            return 1
+
+    own = Library.answer
+    answers = []
+
+    def works():  # (a fix answering 2 does not mend it: 3 would)
+        answers.append(Library().answer())
+        return answers[-1] == 3
+
+    mend = compat.LibraryMend(lambda: {(Library, "answer"): lambda self: 2})
+    assert not mend.holds(works) and answers == [1, 2]  # probed as it is, then with the fix in
+    assert Library.answer is own and mend.replaced == {}
+    assert not mend.holds(works) and answers == [1, 2, 1, 2] and Library.answer is own
+    assert not mend.holds_once(lambda: works) and not mend.holds_once(lambda: pytest.fail("probed twice"))
+    assert answers == [1, 2, 1, 2, 1, 2] and Library.answer is own
 
 
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
