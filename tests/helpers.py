@@ -204,6 +204,49 @@ def tiny_rwkv():
     return model
 
 
+def tiny_deepseek_v4_actor():
+    """DeepSeek-V4 whose compressed sparse attention pools every 4 tokens and whose indexer picks 2 of the pools, with
+    a sliding window of 16: all reached by 20 tokens."""
+    from transformers import AutoModelForCausalLM, DeepseekV4Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DeepseekV4Config(
+        vocab_size=96, hidden_size=64, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
+        n_shared_experts=1, sliding_window=16, max_position_embeddings=256, qk_rope_head_dim=8, index_n_heads=4,
+        index_head_dim=16, index_topk=2, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"], bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+def tiny_recurrent_gemma_actor():
+    """RecurrentGemma whose attention layer's window is 16 tokens (its head untied: tied, the tiny model answered each
+    prompt with its last token over and over)."""
+    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16, tie_word_embeddings=False,
+        block_types=["recurrent", "attention"], pad_token_id=None, bos_token_id=None, eos_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
+def tiny_xlstm():
+    """xLSTM 64 wide: its query/key heads (64 * 0.5 / 4 = 8) are narrower than transformers' cache makes their states,
+    and a forward with a cache failed, one row too (tests/test_models.py)."""
+    from transformers import AutoModelForCausalLM, xLSTMConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(xLSTMConfig(
+        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=4, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return model
+
+
 def hub_files_asked(monkeypatch, repo):
     """The file names transformers' ``cached_file`` is asked for of the hub model ``repo`` from now on (a list that
     grows): how many fetches a check makes."""

@@ -15,7 +15,8 @@ from dschat.rlhf import evaluation
 from dschat.rlhf.trainer import answer_mask, pad_answers
 from dschat.steps import ppo, reward, sft
 from helpers import (PPO_FAST, RM_FAST, SFT_FAST, count_copy_refreshes, engines_alive, engines_made,
-                     saved_tensors, spy_on_empty_query_rows, tiny_rwkv)
+                     saved_tensors, spy_on_empty_query_rows, tiny_deepseek_v4_actor, tiny_recurrent_gemma_actor,
+                     tiny_rwkv, tiny_xlstm)
 from launch import REPO, run_deepspeed
 
 
@@ -4966,7 +4967,7 @@ def test_a_batch_generated_as_it_is_gets_rwkvs_and_xlstms_mends_too(family, fall
     unpadded rows generated together answer as each alone."""
     from dschat.rlhf.trainer import hf_generate
 
-    model = {"rwkv": tiny_rwkv, "xlstm": _tiny_xlstm}[family]()
+    model = {"rwkv": tiny_rwkv, "xlstm": tiny_xlstm}[family]()
     pad_id = None if fallback == "no pad id" else 0
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": pad_id})()
     ids = torch.tensor([[10, 11, 12, 13], [30, 31, 32, 33], [50, 51, 52, 53]])
@@ -4990,59 +4991,16 @@ def test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone(tmp_path):
         assert f"rank {rank} answers as each prompt alone: OK" in proc.stdout, proc.stdout[-3000:]
 
 
-def _tiny_deepseek_v4_actor():
-    """DeepSeek-V4 whose compressed sparse attention pools every 4 tokens and whose indexer picks 2 of the pools, with
-    a sliding window of 16: all reached by 20 tokens."""
-    from transformers import AutoModelForCausalLM, DeepseekV4Config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(DeepseekV4Config(
-        vocab_size=96, hidden_size=64, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
-        n_shared_experts=1, sliding_window=16, max_position_embeddings=256, qk_rope_head_dim=8, index_n_heads=4,
-        index_head_dim=16, index_topk=2, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
-        mlp_layer_types=["hash_moe", "moe"], bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    return model
-
-
-def _tiny_recurrent_gemma_actor():
-    """RecurrentGemma whose attention layer's window is 16 tokens (its head untied: tied, the tiny model answered each
-    prompt with its last token over and over)."""
-    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16, tie_word_embeddings=False,
-        block_types=["recurrent", "attention"], pad_token_id=None, bos_token_id=None, eos_token_id=None)).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    return model
-
-
-def _tiny_xlstm():
-    """xLSTM 64 wide: its query/key heads (64 * 0.5 / 4 = 8) are narrower than transformers' cache makes their states,
-    and a forward with a cache failed, one row too (tests/test_models.py)."""
-    from transformers import AutoModelForCausalLM, xLSTMConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(xLSTMConfig(
-        vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=4, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None)).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    return model
-
-
 def _tiny_xlstm_actor():
-    """``_tiny_xlstm``, its cache mended."""
+    """``tiny_xlstm``, its cache mended."""
     from dschat.compat import xlstm_cache_fits_its_layers
 
-    model = _tiny_xlstm()
+    model = tiny_xlstm()
     assert xlstm_cache_fits_its_layers(model)
     return model
 
 
-TINY_ACTORS_READING_NO_MASK = {"recurrent_gemma": _tiny_recurrent_gemma_actor, "deepseek_v4": _tiny_deepseek_v4_actor,
+TINY_ACTORS_READING_NO_MASK = {"recurrent_gemma": tiny_recurrent_gemma_actor, "deepseek_v4": tiny_deepseek_v4_actor,
                                "xlstm": _tiny_xlstm_actor}
 
 
