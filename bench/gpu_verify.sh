@@ -8,19 +8,23 @@
 #                                                   # named checks (LoRA, ZeRO-3, step after generation, host syncs),
 #                                                   # the first fp16/bf16 optimizer step at ZeRO-0/1/2
 #   bash bench/gpu_verify.sh logprob                # decode log-probs against the training forward at T=1 and 0.7
+#   bash bench/gpu_verify.sh recurrent [FAMILIES]   # step 3's HF generate of RWKV, RecurrentGemma, DeepSeek-V4 and
+#                                                   # xLSTM, rows of one prompt length together, against each row
+#                                                   # alone, fp32 and bf16 (recurrent_rows.py)
 #
-# CASES and FAMILIES are comma-separated subsets (pipeline_gpu.py --cases, graph_equality.py --families; a family list
-# runs no named check): for finishing what a call cut short. Session 41's first cold call ran the first two parts
-# together and ran out of its limits.
+# CASES and FAMILIES are comma-separated subsets (pipeline_gpu.py --cases, graph_equality.py's or recurrent_rows.py's
+# --families; a family list runs no named check): for finishing what a call cut short. Session 41's first cold call
+# ran the first two parts together and ran out of its limits.
 # Run on the device machine from the repository root, with .whl/ carried (bash ../shared/tools/gpu-wheels.sh here
 # first). Each check's log and JSON go to $OUT; one check failing does not stop the others; the last lines are a
 # table of each check's exit status and seconds. Record the numbers in docs/benchmarks.md with the commit.
 set -u
-part=${1:?usage: bash bench/gpu_verify.sh pipeline|equality|speed|named|logprob [subset]}
+part=${1:?usage: bash bench/gpu_verify.sh pipeline|equality|speed|named|logprob|recurrent [subset]}
 subset=${2:-}
 out=${OUT:?no \$OUT: run it through the device tool}
-[[ $part == pipeline || $part == equality || $part == speed || $part == named || $part == logprob ]] \
-    || { echo "unknown part $part: pipeline, equality, speed, named or logprob" >&2; exit 2; }
+[[ $part == pipeline || $part == equality || $part == speed || $part == named || $part == logprob \
+   || $part == recurrent ]] \
+    || { echo "unknown part $part: pipeline, equality, speed, named, logprob or recurrent" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
@@ -75,6 +79,10 @@ named)
 logprob)
     check logprob_delta_t1 60 python bench/logprob_delta.py --cuda_graph
     check logprob_delta_t0.7 60 python bench/logprob_delta.py --cuda_graph --temperature 0.7
+    ;;
+recurrent)  # (exit 1 only on a crash or an fp32 row unequal to alone: bf16 differences are the table's to record)
+    check recurrent_rows 200 python bench/recurrent_rows.py --device cuda ${subset:+--families "$subset"} \
+        --json recurrent_rows.json
     ;;
 esac
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

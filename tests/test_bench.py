@@ -1012,3 +1012,45 @@ def test_family_sweep_measures_peft_merges_in_float64_and_compares_the_engine_wi
 
     status, note = family_sweep.check_lora("hrm_text")
     assert status == "PASS" and "PEFT's merged model's tokens" in note, note
+
+
+RECURRENT_ROWS_TINY = ["--device", "cpu", "--lengths", "5,1", "--rows_per_length", "2", "--new_tokens", "6"]
+
+
+def test_recurrent_rows_finds_each_familys_rows_generated_together_equal_to_alone(tmp_path):
+    """bench/recurrent_rows.py (the GPU check, in bf16 too, of step 3's HF generate of the recurrent families) on the
+    CPU in float32: each family's rows of one prompt length generate in one call (2 calls for 4 rows of 2 lengths,
+    not 4 of one row, where equality would say nothing) and every row's tokens equal its prompt's alone."""
+    proc = run_bench("recurrent_rows.py", *RECURRENT_ROWS_TINY, "--dtypes", "float32", "--json", "rows.json",
+                     OUT=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "rows.json").read_text())["results"]
+    assert [r["family"] for r in results] == ["rwkv", "recurrent_gemma", "deepseek_v4", "xlstm"], results
+    for r in results:
+        assert (r["dtype"], r["rows"], r["groups"], r["equal"], r["first_difference"]) == ("float32", 4, 2, 4, None), r
+        assert r["max_logit_delta"] < 1e-4, r
+    assert "| xlstm | float32 | 4 | 2 | 4 | - |" in proc.stdout, proc.stdout
+
+
+def test_recurrent_rows_fails_float32_rows_that_mix_and_reports_bfloat16_ones(tmp_path):
+    """The script's equality is real: with transformers' RWKV one-token decode left as it is (it mixes a batch's rows;
+    dschat's probe made to say it keeps them apart, so its mend never goes in), step 3's HF generate still takes the
+    rows of one length together, and the script finds them unequal to alone. Unequal float32 rows fail the run;
+    bf16 ones are reported only (batched bf16 matmuls may round otherwise than one row's on a GPU)."""
+    code = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from dschat import compat
+compat.rwkv_decode_keeps_rows_apart = lambda model: True
+import recurrent_rows
+recurrent_rows.main(sys.argv[2:])
+"""
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "bench"), *RECURRENT_ROWS_TINY, "--families",
+                           "rwkv", "--json", "rows.json"], env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                               "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "rows.json").read_text())["results"]
+    assert [(r["dtype"], r["groups"]) for r in results] == [("float32", 2), ("bfloat16", 2)], results
+    assert all(r["equal"] < r["rows"] and r["max_logit_delta"] > 0.1 for r in results), results
+    assert "failures (a crash, or float32 rows unequal to alone): rwkv float32\n" in proc.stdout, proc.stdout
