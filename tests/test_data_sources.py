@@ -3202,3 +3202,57 @@ def test_a_json_files_passed_check_is_kept_by_its_content_and_a_changed_file_is_
     read_in_a_new_process()
     read_in_a_new_process()
     assert len(checked) == 7
+
+
+def test_a_json_files_load_opens_it_for_its_hash_once_and_stats_it_for_none(tmp_path, monkeypatch):
+    """One load of a JSON Lines file opened it for its hash three times (its check's key, the check's keeping, its
+    Arrow cache's key) and stat'ed it once more for the kept check's stamp; the source's cache key stat'ed it for its
+    size beside opening it for its hash. Over c4's 1024 shards that adds up. Now the hash is found once a load, with
+    the stamp of the file it was read from (its size there): the load opens the file for its hash once, and once more
+    after a first check (whether the file was written while it was checked, and the stamp to keep the pass under); the
+    cache key opens it once. (datasets' own reads, in its load, are not counted.)"""
+    import builtins
+
+    import datasets
+
+    from dschat.data import local
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(local, "_prune_now_and_then", lambda folder: None)  # (once a day: it stats every kept file)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    opened, stated = [], []
+    counting = [True]
+
+    def counted(real, calls):
+        def call(file, *args, **kwargs):
+            if counting[0] and not isinstance(file, int) and os.fspath(file) == str(data):
+                calls.append(file)
+            return real(file, *args, **kwargs)
+        return call
+
+    def load_dataset_uncounted(*args, real=datasets.load_dataset, **kwargs):
+        counting[0] = False
+        try:
+            return real(*args, **kwargs)
+        finally:
+            counting[0] = True
+
+    monkeypatch.setattr(builtins, "open", counted(builtins.open, opened))
+    monkeypatch.setattr(os, "stat", counted(os.stat, stated))
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset_uncounted)
+
+    def opened_and_stated_by(read):
+        local.forget_file_digests()  # (a new process)
+        del opened[:], stated[:]
+        read()
+        return {"opened": len(opened), "stated": len(stated)}
+
+    # (cold: its hash, its first bytes (compressed?), the check's two reads, its stamp after the check, its encoding)
+    assert opened_and_stated_by(lambda: local.load_file("jsonl", str(data))) == {"opened": 6, "stated": 0}
+    # (warm: its hash, its first bytes, its encoding)
+    assert opened_and_stated_by(lambda: local.load_file("jsonl", str(data))) == {"opened": 3, "stated": 0}
+    source = local.LocalSource("jsonl", str(data), None, str(data))
+    assert opened_and_stated_by(source.fingerprint) == {"opened": 1, "stated": 1}  # (all_files: is it a file?)
+    assert source.fingerprint()["files"] == [[str(data), data.stat().st_size, local.file_digest(str(data))]]

@@ -428,7 +428,8 @@ class LocalSource:
         for path in self.files:
             for file in all_files(path):
                 file = os.path.abspath(file)
-                stats.append([file, os.stat(file).st_size, file_digest(file)])
+                digest, stamp = file_digest_and_stamp(file)  # (its size from the stamp hashed under: no stat more)
+                stats.append([file, stamp.size if stamp else os.stat(file).st_size, digest])
         return {"kind": self.kind, "files": stats, **({"eval_kind": self.eval_kind} if self.eval_kind else {})}
 
 
@@ -436,8 +437,19 @@ def file_digest(path):
     """The sha256 of a file's content: a hub cache's file by the name of the blob it links to, where the hub client
     named it so (``hub_blob_sha256``), else computed once for each stamp of the file (``_digest_of_open_file``: a write
     gives it another)."""
+    return file_digest_and_stamp(path).sha256
+
+
+class HashedFile(collections.namedtuple("HashedFile", "sha256 stamp")):
+    """A file's sha256 and the stamp (``FileStamp``) of the file open when it was found, None where the file was not
+    opened (a hub blob, named by its hash): what the stamp says (its size, that the file is not written since) needs
+    no other stat or open of it."""
+
+
+def file_digest_and_stamp(path):
+    """``file_digest`` of the file at ``path`` as a HashedFile."""
     if blob := hub_blob_sha256(path):
-        return blob
+        return HashedFile(blob, None)
     with open(path, "rb") as f:
         return _digest_of_open_file(f, os.path.abspath(path))
 
@@ -479,13 +491,14 @@ _DIGESTS = {}  # {(absolute path, stamp): sha256} read or computed in this proce
 def shared_digest(path):
     """The sha256 of the file at ``path`` as every later process finds it without reading the file: its hub blob's
     name (``hub_blob_sha256``), or the hash kept under the stamp the file has now (``_digest_of_open_file``: on a file
-    system whose change time a write moves, hashed after its last write's racy window); else None."""
+    system whose change time a write moves, hashed after its last write's racy window); else None. A HashedFile: with
+    the stamp the file has now (None for a hub blob's)."""
     if blob := hub_blob_sha256(path):
-        return blob
+        return HashedFile(blob, None)
     with open(path, "rb") as f:
-        if not _keeps_change_time(f.fileno()):
-            return None
-        return _kept_digest(os.path.abspath(path), _stat_stamp(os.fstat(f.fileno())))
+        stamp = _stat_stamp(os.fstat(f.fileno()))
+        kept = _kept_digest(os.path.abspath(path), stamp) if _keeps_change_time(f.fileno()) else None
+        return HashedFile(kept, stamp)
 
 
 def _digest_of_open_file(f, path):
@@ -496,7 +509,8 @@ def _digest_of_open_file(f, path):
     c4 config downloaded with --local-dir: ~300 GB each). A write sets the change time, which ``touch`` cannot set
     back: an edited file has another stamp, and is read. A file written while it was read keeps nothing, nor one on a
     file system not known to keep a real change time (``_keeps_change_time``). Processes hashing the same file at once
-    (a node's ranks on a first run) take turns (``_hashing_lock``): the first hashes it, the others read its hash."""
+    (a node's ranks on a first run) take turns (``_hashing_lock``): the first hashes it, the others read its hash.
+    A HashedFile: with the stamp it was hashed under."""
     stamp = _stat_stamp(os.fstat(f.fileno()))
     keeps = _keeps_change_time(f.fileno())
     if (digest := _DIGESTS.get((path, stamp)) or (_kept_digest(path, stamp) if keeps else None)) is None:
@@ -505,11 +519,11 @@ def _digest_of_open_file(f, path):
                 hashed_at = time.time_ns()
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
                 if _stat_stamp(os.fstat(f.fileno())) != stamp:  # (what was read is of neither stamp)
-                    return digest
-                if keeps and stamp[-1] < hashed_at - RACY_WINDOW_NS:
+                    return HashedFile(digest, stamp)
+                if keeps and stamp.ctime_ns < hashed_at - RACY_WINDOW_NS:
                     _keep_digest(path, stamp, digest)
     _DIGESTS[path, stamp] = digest
-    return digest
+    return HashedFile(digest, stamp)
 
 
 @contextlib.contextmanager
@@ -541,8 +555,12 @@ def _hashing_lock(path, stamp):
         os.close(fd)  # (which lets the lock go)
 
 
+# what tells one version of a file from another (``_digest_of_open_file``): a tuple, as kept hashes name it
+FileStamp = collections.namedtuple("FileStamp", "device inode size mtime_ns ctime_ns")
+
+
 def _stat_stamp(st):
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _keeps_change_time(fd):
@@ -1582,22 +1600,22 @@ def check_compression_read(kind, path, where=None):
 JSON_CHECK_MEMO_FOLDER, JSON_CHECK_VERSION = "dschat_json_checked", 1
 
 
-def checked_json(kind, path, key_orders):
+def checked_json(kind, path, key_orders, digest):
     """``check_jsonl_lines`` (``kind`` "jsonl") or ``check_json_document`` ("json") of the file at ``path``, its
     objects' key orders gathered into ``key_orders``; or, where that check passed for the same content before (of this
     process or an earlier one), what it gave then, the file not read (its record lines read again only for an error
     that names one: ``RecordLinesOnDemand``). A pass is kept only where later processes find the file's hash without
     reading it (``shared_digest``: a hub blob, or a hash kept under the file's stamp), and that hash is still the one
-    the check was looked up by: a file written while it was checked keeps nothing."""
-    digest = file_digest(path)  # (``load_content_keyed``'s key too: hashed once)
+    the check was looked up by: a file written while it was checked keeps nothing. ``digest``: the file's
+    (``file_digest``: ``load_file``'s load's cache key too, found once)."""
     memo = _json_check_memo_path(kind, path, digest)
     kept = _kept_json_check(memo)
     if kept is not None:
         key_orders.add_kept(kept["key_orders"])
         return _record_lines_kept(kept["lines"], path)
     record_lines = (check_jsonl_lines if kind == "jsonl" else check_json_document)(path, key_orders)
-    if shared_digest(path) == digest:
-        _keep_json_check(memo, path, _check_as_kept(record_lines, key_orders))
+    if (shared := shared_digest(path)).sha256 == digest:  # (its stamp now: the kept pass's, no other stat)
+        _keep_json_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
     return record_lines
 
 
@@ -1638,12 +1656,13 @@ def _kept_json_check(memo):
     return kept if isinstance(kept, dict) and {"lines", "key_orders"} <= kept.keys() else None
 
 
-def _keep_json_check(memo, path, kept):
-    """Write a passed check at ``memo`` whole (``atomic_file``), the file's path and stamp on its second line, as a kept
-    hash's, for pruning to remove it once the file is gone or written (``prune_kept_digests``; a copy of the content
-    elsewhere then checks it again). A cache folder not writable keeps nothing."""
+def _keep_json_check(memo, path, stamp, kept):
+    """Write a passed check at ``memo`` whole (``atomic_file``), the file's path and ``stamp`` (None: the file's now) on
+    its second line, as a kept hash's, for pruning to remove it once the file is gone or written
+    (``prune_kept_digests``; a copy of the content elsewhere then checks it again). A cache folder not writable keeps
+    nothing."""
     with contextlib.suppress(OSError):
-        entry = json.dumps([os.path.abspath(path), *_stat_stamp(os.stat(path))])
+        entry = json.dumps([os.path.abspath(path), *(stamp or _stat_stamp(os.stat(path)))])
         with atomic_file(memo) as f:
             f.write(f"{json.dumps(kept)}\n{entry}")  # (ASCII: as pruning reads it)
     _prune_now_and_then(_datasets_cache_folder(JSON_CHECK_MEMO_FOLDER))
@@ -1672,10 +1691,11 @@ def load_file(kind, path):
     (``open_data_file``), as a plain one is, then read by datasets' json loader, which decompresses it too. A JSON
     file's check that passed for its content before is not made again (``checked_json``)."""
     check_compression_read(kind, path)
-    record_lines = header = None
+    record_lines = header = digest = None
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind in ("json", "jsonl"):
-        record_lines = checked_json(kind, path, key_orders)
+        digest = file_digest(path)  # (its check's key and its load's: found once)
+        record_lines = checked_json(kind, path, key_orders, digest)
     elif kind == "csv":
         header, record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
@@ -1685,7 +1705,7 @@ def load_file(kind, path):
     try:
         options = _csv_options(path, header) if kind == "csv" else \
             {"encoding": text_encoding(path)} if builder == "json" else {}
-        data = load_content_keyed(builder, path, **options)
+        data = load_content_keyed(builder, path, digest, **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
         if kind == "csv" and caused_by(err, UnicodeDecodeError):
             raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
@@ -1718,8 +1738,9 @@ def only_blank_lines(path):
         return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
 
 
-def load_content_keyed(builder, path, **options):
-    """``load_dataset(builder)``'s train split of the file at ``path``, its Arrow cache keyed by the file's content.
+def load_content_keyed(builder, path, digest=None, **options):
+    """``load_dataset(builder)``'s train split of the file at ``path``, its Arrow cache keyed by the file's content
+    (``digest``, where the caller has it: ``file_digest``).
 
     datasets keys the Arrow cache of a local file by its path and modification time only: a file edited with its
     time kept (``touch -r``, ``cp -p``, a rewrite within the file system's time resolution) was read back as its
@@ -1727,8 +1748,8 @@ def load_content_keyed(builder, path, **options):
     gives each content a cache of its own."""
     from datasets import load_dataset
 
-    return load_dataset(builder, name=f"content-{file_digest(path)[:16]}", data_files={"train": path}, split="train",
-                        **options)
+    digest = digest or file_digest(path)
+    return load_dataset(builder, name=f"content-{digest[:16]}", data_files={"train": path}, split="train", **options)
 
 
 # A CSV written with ", " between its cells (by hand): a quoted cell after the space was read as text up to its next
