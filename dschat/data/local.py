@@ -897,10 +897,35 @@ def _folder_source(kind, folder, spec, flag=None):
 _HUB_SPLIT_FILE = re.compile(r"(?:[^.]*-(?=(?:train|validation|test)\.))?"
                              r"(?P<split>.+?)[-.](?P<shard>\d{5})-of-(?P<shards>\d{5})(?P<suffix>-[^.]+)?"
                              r"(?P<ext>\.[A-Za-z]+)(?P<packed>\.[A-Za-z0-9]+)?\Z")
-# the compressions of JSON that datasets' json loader undoes itself, as hub datasets ship some data (Anthropic/
-# hh-rlhf's harmless-base/train.jsonl.gz, allenai/c4's shards); zstd needs a package datasets does not install, and a
-# zip is an archive of files
-PACKED_JSON = (".gz", ".bz2", ".xz")
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How a file compressed with one tool is told and undone: by its name's ``extension`` or its first bytes
+    (``magic``, a regular expression); ``decompress``, the shell command that writes the plain file beside it
+    (``decompress_command``); ``module``, what undoes it as the file is read (``open_data_file``), for the compressions
+    of JSON that datasets' json loader undoes too (``PACKED_JSON``), else None."""
+    extension: str
+    magic: bytes
+    decompress: str
+    module: object = None
+
+
+# by tool: hub datasets ship some data so (Anthropic/hh-rlhf's harmless-base/train.jsonl.gz, allenai/c4's shards);
+# zstd needs a package datasets does not install, and a zip is an archive of files
+COMPRESSIONS = {"gzip": Compression(".gz", rb"\x1f\x8b", "gunzip -k", gzip),
+                "bzip2": Compression(".bz2", rb"BZh[1-9]1AY&SY", "bunzip2 -k", bz2),
+                "xz": Compression(".xz", rb"\xfd7zXZ\x00", "unxz -k", lzma),
+                "zstd": Compression(".zst", rb"\x28\xb5\x2f\xfd", "unzstd"),
+                "zip": Compression(".zip", rb"PK\x03\x04", "unzip")}
+COMPRESSED_EXTENSIONS = {compression.extension: tool for tool, compression in COMPRESSIONS.items()}
+# the extension that names each compression of JSON dschat reads decompressed: gzip's .gz
+PACKED_JSON_EXTENSIONS = {tool: compression.extension for tool, compression in COMPRESSIONS.items()
+                          if compression.module}
+# the modules that undo them, by the file's extension (``open_data_file``)
+DECOMPRESSORS = {compression.extension: compression.module for compression in COMPRESSIONS.values()
+                 if compression.module}
+PACKED_JSON = tuple(DECOMPRESSORS)  # (their extensions: a JSON file named so, x.jsonl.gz, is read decompressed)
 # the splits a hub dataset's subset folder holds (SUBSET/train.jsonl.gz), as datasets' default config finds them
 _SUBSET_SPLIT_NAMES = ("train", *EVAL_SPLIT_NAMES)
 
@@ -1155,10 +1180,9 @@ def _split_file_names(name):
 
 # --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
 
-# the modules that undo the compressions of ``PACKED_JSON``, by the file's extension, and what they raise for data
-# that is not what its name says or is cut short (bz2's OSError, "Invalid data stream"; gzip's BadGzipFile is one too:
-# an OSError without an errno, unlike a read the file system failed)
-DECOMPRESSORS = {".gz": gzip, ".bz2": bz2, ".xz": lzma}
+# what the modules that undo the compressions of ``PACKED_JSON`` (``DECOMPRESSORS``) raise for data that is not what
+# its name says or is cut short (bz2's OSError, "Invalid data stream"; gzip's BadGzipFile is one too: an OSError
+# without an errno, unlike a read the file system failed)
 DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
 
 
@@ -1490,18 +1514,6 @@ def _is_json_lines(text):
     return first == "{" and "\n" in text.strip()
 
 
-# what a compressed file begins with, by its tool: hub datasets ship some data so (Anthropic/hh-rlhf's train.jsonl.gz)
-COMPRESSED_MAGIC = {rb"\x1f\x8b": "gzip", rb"BZh[1-9]1AY&SY": "bzip2", rb"\xfd7zXZ\x00": "xz",
-                    rb"\x28\xb5\x2f\xfd": "zstd", rb"PK\x03\x04": "zip"}
-COMPRESSED_EXTENSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zip": "zip"}
-DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k", "zstd": "unzstd", "zip": "unzip"}
-TOOL_EXTENSIONS = {tool: extension for extension, tool in COMPRESSED_EXTENSIONS.items()}
-
-
-# the extension that names each compression of JSON dschat reads (``PACKED_JSON``): gzip's .gz
-PACKED_JSON_EXTENSIONS = {COMPRESSED_EXTENSIONS[ext]: ext for ext in PACKED_JSON}
-
-
 def compressed_error(path, tool, where=None, kind=None):
     """The error for a data file compressed with ``tool`` that dschat does not read so: a JSON or JSON Lines file
     (``kind``) compressed with gzip, bzip2 or xz is, where its name says so (x.jsonl.gz): the name to give it (``gunzip
@@ -1526,13 +1538,13 @@ def decompress_command(path, tool):
     again). (unzip reads an archive of any name; it writes into the current folder, not the archive's, unless told:
     a folder's train.csv.zip was extracted where the command ran, and the folder given again was refused again.)
     Paths are quoted where the shell needs it (``rename_command``)."""
-    extension = TOOL_EXTENSIONS[tool]
+    extension, command = COMPRESSIONS[tool].extension, COMPRESSIONS[tool].decompress
     if tool == "zip":
-        return f"{DECOMPRESS[tool]} -d {shlex.quote(os.path.dirname(path) or '.')} {shlex.quote(path)}"
+        return f"{command} -d {shlex.quote(os.path.dirname(path) or '.')} {shlex.quote(path)}"
     if path.endswith(extension):
-        return f"{DECOMPRESS[tool]} {shlex.quote(path)}"
+        return f"{command} {shlex.quote(path)}"
     packed = named_compressed_with(path, extension)
-    return f"{rename_command(path, packed)} && {DECOMPRESS[tool]} {shlex.quote(packed)}"
+    return f"{rename_command(path, packed)} && {command} {shlex.quote(packed)}"
 
 
 def rename_command(path, new):
@@ -1576,10 +1588,10 @@ def check_folder_not_compressed(folder, where=None):
 
 
 def compressed_with(path):
-    """The tool that compressed the file at ``path`` (``COMPRESSED_MAGIC``: told by its first bytes), else None."""
+    """The tool that compressed the file at ``path`` (``COMPRESSIONS``: told by its first bytes), else None."""
     with open(path, "rb") as f:
         start = f.read(10)
-    return next((tool for magic, tool in COMPRESSED_MAGIC.items() if re.match(magic, start)), None)
+    return next((tool for tool, compression in COMPRESSIONS.items() if re.match(compression.magic, start)), None)
 
 
 def check_compression_read(kind, path, where=None):
