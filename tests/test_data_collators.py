@@ -357,7 +357,7 @@ def test_a_corrupt_compressed_unsupervised_file_is_said_with_its_flag_by_the_pre
     from dschat.data import unsupervised
 
     docs = tmp_path / "docs.jsonl.gz"
-    for content, said in ((b"not gzip at all", "Not a gzipped file"),
+    for content, said in ((b"not gzip at all", "though its name says it is: where it is the uncompressed file"),
                           (gzip.compress(json.dumps({"text": "hello"}).encode() * 99 + b"\n")[:-12],
                            "Compressed file ended")):
         docs.write_bytes(content)

@@ -629,15 +629,16 @@ def test_a_broken_line_of_a_compressed_file_given_by_its_path_is_named_by_file_a
 def test_a_file_named_compressed_that_is_not_is_said_so_not_called_a_file_cut_short(tmp_path):
     """train.jsonl.gz holding the plain JSON Lines text was "not readable as gzip data, as its name says it is (Not a
     gzipped file (b'{"')): a file cut short? download or compress it again": it is no file cut short. Data of no
-    compression, or of another, is said to be no gzip data, with the name to give it; a stream cut short is said so
-    still, and one damaged inside is said to be damaged."""
+    compression, or of another, is said to be no gzip data, with the name to give it, in the words a CSV named .gz is
+    told so (``misnamed_compressed_error``: gzip's own "Not a gzipped file (b'{"')" no longer among them); a stream cut
+    short is said so still, and one damaged inside is said to be damaged."""
     import bz2
     import gzip
 
     text = "".join(json.dumps(r) + "\n" for r in RECORDS[:4])
     path = tmp_path / "train.jsonl.gz"
     said = re.escape(f"{path}: not gzip data, though its name says it is")
-    for data, advice in ((text.encode(), rf" \(Not a gzipped file .*\): where it is the uncompressed file, name it so "
+    for data, advice in ((text.encode(), rf": where it is the uncompressed file, name it so "
                                          rf"\(mv {re.escape(str(path))} {re.escape(str(tmp_path / 'train.jsonl'))}\)"),
                          (bz2.compress(text.encode()), rf": it is compressed with bzip2; name it so \(mv "
                                                        rf"{re.escape(str(path))} {re.escape(str(tmp_path))}/train\.jsonl"
@@ -645,6 +646,15 @@ def test_a_file_named_compressed_that_is_not_is_said_so_not_called_a_file_cut_sh
         path.write_bytes(data)
         with pytest.raises(DatasetFormatError, match=f"^{said}{advice}$"):
             raw(str(path), tmp_path)
+    # (in the very words a plain CSV named .gz is told, refused before it is read: with the flag that gave it)
+    plain_csv = tmp_path / "train.csv.gz"
+    plain_csv.write_bytes(pd.DataFrame(RECORDS[:4]).to_csv(index=False).encode())
+    path.write_bytes(text.encode())
+    with pytest.raises(DatasetFormatError) as csv_error:
+        raw(str(plain_csv), tmp_path)
+    with pytest.raises(DatasetFormatError) as json_error:
+        raw(str(path), tmp_path)
+    assert str(json_error.value) == str(csv_error.value).removeprefix("--data_path ").replace(".csv", ".jsonl")
     packed = gzip.compress(text.encode())
     path.write_bytes(packed[:-12])
     with pytest.raises(DatasetFormatError, match=r"not readable as gzip data, as its name says it is \(Compressed "
@@ -904,9 +914,9 @@ def test_the_commands_dschat_gives_for_a_compressed_file_work_on_a_path_with_a_s
     jsonl_text = "".join(json.dumps(r) + "\n" for r in RECORDS)
     for name, data, spec, written in (
             ("a.csv", gzip.compress(csv_text.encode()), "{}", "a.csv"),  # (decompress_command: mv, then gunzip)
-            ("b.csv.gz", csv_text.encode(), "{}", "b.csv"),  # (named_compressed_error: plain text named .gz)
-            ("c.jsonl.gz", jsonl_text.encode(), "{}", "c.jsonl"),  # (undecompressable_error: plain)
-            ("d.jsonl.gz", bz2.compress(jsonl_text.encode()), "{}", "d.jsonl.bz2"),  # (undecompressable_error: bzip2)
+            ("b.csv.gz", csv_text.encode(), "{}", "b.csv"),  # (misnamed_compressed_error: plain, named .gz)
+            ("c.jsonl.gz", jsonl_text.encode(), "{}", "c.jsonl"),  # (misnamed_compressed_error: plain)
+            ("d.jsonl.gz", bz2.compress(jsonl_text.encode()), "{}", "d.jsonl.bz2"),  # (misnamed_compressed_error: bz2)
             ("e.jsonl", gzip.compress(jsonl_text.encode()), "jsonl:{}", "e.jsonl.gz"),  # (compressed_error: JSON)
             ("f/train.csv.gz", lzma.compress(csv_text.encode()), "{}", "f/train.csv")):  # (a folder's: xz)
         path = here / name

@@ -843,7 +843,7 @@ def _infer_kind(path, where):
     # JSON compressed with gzip, bzip2 or xz is read decompressed (``open_data_file``); another compressed file is
     # said so (not "write jsonl:FILE", which then read it as text that is not UTF-8)
     if tool and not (packed and kind in ("json", "jsonl")):
-        raise named_compressed_error(path, tool, where)
+        raise misnamed_compressed_error(path, tool, held_compression(path, tool), where)
     if kind is None:
         raise UsageError(f"{where}: cannot tell the format of the file from its extension; write jsonl:{path}, "
                          f"json:{path}, parquet:{path} or csv:{path}")
@@ -1217,8 +1217,8 @@ def open_data_file(path, encoding=None):
 def undecompressable_error(path, packed, err):
     """The error for the file at ``path``, named compressed (``packed``: its extension, ``PACKED_JSON``), whose data
     did not decompress (``err``): a stream cut short (EOFError: a download stopped); data not of that compression, by
-    its first bytes (``compressed_with``): another's, said with the name to give it, or none (JSON named .gz), said
-    with the plain file's name (it was "a file cut short?", which it is not); else a stream damaged inside."""
+    its first bytes (``compressed_with``): ``misnamed_compressed_error`` (it was "a file cut short?", which it is not);
+    else a stream damaged inside."""
     tool = COMPRESSED_EXTENSIONS[packed]
     if isinstance(err, EOFError):
         return DatasetFormatError(f"{path}: not readable as {tool} data, as its name says it is ({err}): a file cut "
@@ -1227,26 +1227,24 @@ def undecompressable_error(path, packed, err):
     if held == tool:
         return DatasetFormatError(f"{path}: not readable as {tool} data, as its name says it is ({err}): its data is "
                                   "damaged; download or compress it again")
-    plain = path[:-len(packed)]
-    if held is None:
-        return DatasetFormatError(f"{path}: not {tool} data, though its name says it is ({err}): where it is the "
-                                  f"uncompressed file, name it so ({rename_command(path, plain)})")
-    if held in PACKED_JSON_EXTENSIONS:
-        return DatasetFormatError(f"{path}: not {tool} data, though its name says it is: it is compressed with "
-                                  f"{held}; name it so ({rename_command(path, plain + PACKED_JSON_EXTENSIONS[held])})")
-    return compressed_error(path, held)
+    return misnamed_compressed_error(path, tool, held, read_decompressed=True)
 
 
-def named_compressed_error(path, named, where=None):
-    """The error for a file whose name says it is compressed with ``named`` (x.csv.gz), of a type dschat does not read
-    so, told by its bytes (``compressed_with``), not its name: x.csv.gz holding xz, or the plain CSV, was told
-    "compressed with gzip ... (gunzip -k x.csv.gz)", which gunzip refuses ("not in gzip format"). Data of another
-    compression is told that one's command; data of none, the name to give it. ``where``: how the error names
-    ``path``."""
-    held = held_compression(path, named)
+def misnamed_compressed_error(path, named, held, where=None, read_decompressed=False):
+    """The error for a file whose name says it is compressed with ``named`` (x.csv.gz, x.jsonl.gz), told by what its
+    bytes hold (``held``: ``compressed_with``), not by its name: x.csv.gz holding xz, or the plain CSV, was told
+    "compressed with gzip ... (gunzip -k x.csv.gz)", which gunzip refuses ("not in gzip format"). Data of no
+    compression is told the name to give it; of a compression the file would be read decompressed in, named so
+    (``read_decompressed``: a file ``open_data_file`` reads; PACKED_JSON_EXTENSIONS), that name; of another, that
+    one's command (``compressed_error``). ``where``: how the error names ``path``."""
+    misnamed = f"{where or path}: not {named} data, though its name says it is"
     if held is None:
-        return DatasetFormatError(f"{where or path}: not {named} data, though its name says it is: where it is the "
-                                  f"uncompressed file, name it so ({plain_file_command(path, held)})")
+        return DatasetFormatError(f"{misnamed}: where it is the uncompressed file, name it so "
+                                  f"({plain_file_command(path, held)})")
+    if read_decompressed and held in PACKED_JSON_EXTENSIONS:
+        renamed = named_compressed_with(path, PACKED_JSON_EXTENSIONS[held])
+        return DatasetFormatError(f"{misnamed}: it is compressed with {held}; name it so "
+                                  f"({rename_command(path, renamed)})")
     return compressed_error(path, held, where)
 
 
