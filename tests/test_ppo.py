@@ -4961,7 +4961,7 @@ def test_rwkv_rows_of_one_prompt_length_generate_together_where_its_decode_keeps
 @pytest.mark.parametrize("fallback", ["no pad id", "no mask"])
 def test_a_batch_generated_as_it_is_gets_rwkvs_and_xlstms_mends_too(family, fallback, transformers_rwkv_steps,
                                                                       transformers_xlstm_cache):
-    """Where HF generate takes the batch as it is (no pad id, no mask; a hole or ``synced_gpus`` alike), RWKV's decode
+    """Where HF generate takes the batch as it is (no pad id, no mask; a hole alike), RWKV's decode
     and xLSTM's cache were mended only if an earlier call had taken rows apart in this process: RWKV's batch answers
     then mixed the rows, and xLSTM's call failed ("matC_old has wrong shape"). The mends now go in at every call, and
     unpadded rows generated together answer as each alone."""
@@ -4979,12 +4979,41 @@ def test_a_batch_generated_as_it_is_gets_rwkvs_and_xlstms_mends_too(family, fall
     assert torch.equal(seq, torch.cat(alone))
 
 
+def test_under_synced_gpus_padded_rows_generate_apart_and_a_rank_makes_as_many_calls_as_its_peers(monkeypatch):
+    """Under ``synced_gpus`` (ZeRO-3 on several ranks) HF generate took a left-padded RWKV batch as it was, padding and
+    all, so that every rank made one call. Now each rank takes its rows of each prompt length together, as on one
+    rank, after agreeing with the others on the most calls any makes (here a peer said to make 3: the all-reduce
+    stood in for), and makes the calls it lacks on one row, discarding them. One process; the 2-rank run:
+    ``test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone``."""
+    from dschat.rlhf import trainer
+    from dschat.rlhf.trainer import hf_generate
+
+    model = tiny_rwkv()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    prompts = [[10, 11, 12, 13], [30, 31], [40, 41, 42, 43]]
+    ids, mask = _left_padded(prompts, 4)
+    call = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    agreed = []
+    monkeypatch.setattr(trainer, "all_reduce", lambda t, op: agreed.append((t.tolist(), op)) or t.fill_(3))
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), **call)[0, len(p):] for p in prompts]
+        batches, generate = [], model.generate
+        # (HF's own synced_gpus needs a process group: the calls here go without it)
+        monkeypatch.setattr(model, "generate", lambda input_ids, synced_gpus, **kw: batches.append(
+            input_ids.tolist()) or generate(input_ids, **kw))
+        seq = hf_generate(model, tokenizer)(ids, attention_mask=mask, synced_gpus=True, **call)
+    assert agreed == [([2], "max")]  # (this rank's 2 prompt lengths)
+    assert batches == [[[30, 31]], [[10, 11, 12, 13], [40, 41, 42, 43]], [[30, 31]]]  # (the last one discarded)
+    assert torch.equal(seq[:, :4], ids) and torch.equal(seq[:, 4:], torch.stack(alone))
+
+
 @pytest.mark.multirank
 def test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone(tmp_path):
-    """Under ZeRO-3 on several ranks HF generate takes the batch as it is (``synced_gpus``), and RWKV's decode was
-    mended only where a rank generated alone: step 3's RWKV rollouts there mixed the rows (tokens 2 on of each
-    answer). tests/scripts/rwkv_zero3_generate.py: each rank's answers to prompts of one length equal each prompt's
-    alone without ZeRO."""
+    """Under ZeRO-3 on several ranks HF generate took the batch as it was (``synced_gpus``): RWKV's decode was mended
+    only where a rank generated alone, so step 3's RWKV rollouts there mixed the rows (tokens 2 on of each answer),
+    and padded rows generated with their padding. tests/scripts/rwkv_zero3_generate.py: each rank's answers to
+    left-padded prompts equal each prompt's alone without ZeRO, the ranks holding other mixes of prompt lengths (2
+    generate calls on rank 0, 3 on rank 1: rank 0 makes one more, or the ranks hang)."""
     proc = run_deepspeed(REPO / "tests" / "scripts" / "rwkv_zero3_generate.py", "--folder", tmp_path / "rwkv",
                          timeout=300)
     for rank in (0, 1):

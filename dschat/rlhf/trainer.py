@@ -288,27 +288,57 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     reach its recurrence): each row generates as it would alone, from its prompt without the padding: the rows of one
     prompt length together where the family's batched decode keeps rows apart (``decodes_rows_apart``), else one row
     at a time. The answers come back after the prompts as the caller gave them, right-padded with the pad id, as one
-    batched call returns them. Where that cannot be (``synced_gpus``, HF's default on several ranks: every rank must
-    make as many calls; a prompt with no token or a hole; no pad id) the batch generates as it is, said once, with
-    RWKV's decode and xLSTM's cache mended all the same (``decodes_rows_apart``), so that its unpadded rows' answers
-    are each row's own."""
+    batched call returns them. Under ``synced_gpus`` (ZeRO-3 on several ranks) every rank makes as many calls
+    (``generate_in_step_with_other_ranks``). Where the padding cannot be left out (a prompt with no token or a hole;
+    no pad id) the batch generates as it is, said once, with RWKV's decode and xLSTM's cache mended all the same
+    (``decodes_rows_apart``), so that its unpadded rows' answers are each row's own."""
     together = decodes_rows_apart(model)  # (first: its mends serve the batch generated as it is too)
     pad_id = kwargs.get("pad_token_id", getattr(model.generation_config, "pad_token_id", None))
-    synced = kwargs.get("synced_gpus")
-    synced = get_world_size() > 1 if synced is None else synced
-    lengths = left_padded_lengths(attention_mask) if not synced and pad_id is not None else None
-    if lengths is None:
+    synced = syncs_ranks(model, kwargs.get("synced_gpus"))
+    lengths = left_padded_lengths(attention_mask) if pad_id is not None else None
+    if lengths is None or not len(lengths):  # (no row: nothing to take apart)
         warn_of_padded_generation(model, attention_mask)
-        return generate(input_ids, attention_mask=attention_mask, **kwargs)
+        return generate_in_step_with_other_ranks(generate, [(input_ids, attention_mask)], synced, kwargs)[0]
     width = input_ids.shape[1]
-    answers = [(rows, generate(input_ids[rows, width - length:], attention_mask=attention_mask[rows, width - length:],
-                               **kwargs)[:, length:])
-               for rows, length in rows_to_generate_together(lengths, together)]
+    groups = rows_to_generate_together(lengths, together)
+    calls = [(input_ids[rows, width - length:], attention_mask[rows, width - length:]) for rows, length in groups]
+    outputs = generate_in_step_with_other_ranks(generate, calls, synced, kwargs)
+    answers = [(rows, out[:, length:]) for (rows, length), out in zip(groups, outputs)]
     seq = input_ids.new_full((input_ids.shape[0], width + max(a.shape[1] for _, a in answers)), pad_id)
     seq[:, :width] = input_ids
     for rows, answer in answers:
         seq[rows, width:width + answer.shape[1]] = answer
     return seq
+
+
+def syncs_ranks(model, synced_gpus):
+    """Whether HF generate keeps the ranks stepping together (``synced_gpus``: every forward a collective): as the
+    caller says, else HF's default (ZeRO-3 or FSDP on several ranks). Mirrored, not guessed: ranks must make as many
+    calls exactly where HF syncs them, and agreeing on that count is a collective that a rank generating alone (HF
+    not syncing) must not make."""
+    if synced_gpus is not None:
+        return bool(synced_gpus)
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and get_world_size() > 1
+
+
+def generate_in_step_with_other_ranks(generate, calls, synced, kwargs):
+    """``generate``'s output for each of ``calls`` ((input_ids, attention_mask)), in order. Under ``synced`` every
+    rank's forwards are collectives, so every rank must make as many calls (within one call HF's ``synced_gpus`` keeps
+    the ranks stepping until all have finished): the ranks first agree on the most calls any makes (one all-reduce),
+    and a rank with fewer then makes the rest on its first call's first row, their answers and random draws
+    discarded."""
+    input_ids, attention_mask = calls[0]
+    total = int(all_reduce(torch.tensor([len(calls)], device=input_ids.device), "max").item()) if synced else 0
+    outputs = [generate(ids, attention_mask=mask, **kwargs) for ids, mask in calls]
+    if total > len(calls):
+        mask = None if attention_mask is None else attention_mask[:1]
+        with torch.random.fork_rng(devices=[input_ids.device] if input_ids.device.type == "cuda" else []):
+            for _ in range(total - len(calls)):
+                generate(input_ids[:1], attention_mask=mask, **kwargs)
+    return outputs
 
 
 # ``LEFT_PADDING_MOVES_SCORES`` families whose batched decode in transformers keeps unpadded rows apart as it is:

@@ -1,8 +1,10 @@
 """2 ranks: an RWKV actor loaded under ZeRO-3 (every weight partitioned) answers through step 3's HF-generate path
-(``DeepSpeedPPOTrainer._generate_sequence`` without the hybrid engine: ``synced_gpus``, the batch generated as it
-is) as each prompt alone on one rank without ZeRO: the rows of transformers' batched one-token decode step kept apart
-(``compat.rwkv_decode_keeps_rows_apart``, mended on every rank). The ranks hold batches of other sizes and prompts
-of one length (no padding, which RWKV's recurrence would read).
+(``DeepSpeedPPOTrainer._generate_sequence`` without the hybrid engine: ``synced_gpus``) left-padded prompts as each
+prompt alone on one rank without ZeRO: each rank generates the rows of each prompt length together without their
+padding (which RWKV's recurrence would read), the rows of transformers' batched one-token decode step kept apart
+(``compat.rwkv_decode_keeps_rows_apart``, mended on every rank). The ranks hold other mixes of prompt lengths: rank
+0 makes 2 generate calls of its own, rank 1 makes 3, so rank 0 must make one more
+(``trainer.generate_in_step_with_other_ranks``) or the ranks hang.
 
 Run by tests/test_ppo.py through the deepspeed launcher.
 """
@@ -30,17 +32,25 @@ class Tokenizer:
         return 96
 
 
+PROMPT_LENGTHS = {0: [4, 2, 4], 1: [1, 3, 4]}  # rank 0: 2 prompt lengths (2 rows of 4 together), rank 1: 3
+
+
 def prompts_of(rank):
-    """Rank 0: 3 prompts, rank 1: 2, each of 4 tokens, none alike."""
+    """This rank's prompts (``PROMPT_LENGTHS``, none alike), left-padded with 0, and their mask."""
     g = torch.Generator().manual_seed(10 + rank)
-    return torch.randint(3, 96, (3 - rank, 4), generator=g)
+    lengths = torch.tensor(PROMPT_LENGTHS[rank])
+    width = int(lengths.max())
+    mask = (torch.arange(width) >= width - lengths[:, None]).long()
+    return torch.randint(3, 96, mask.shape, generator=g) * mask, mask
 
 
-def answers_alone(model, prompts):
-    """Each prompt's greedy answer generated alone (one row: transformers' decode step is right for it)."""
+def answers_alone(model, prompts, mask):
+    """The left-padded prompts followed by each one's greedy answer generated alone, from its real tokens (one row:
+    transformers' decode step is right for it)."""
     call = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        return torch.cat([model.generate(p[None], attention_mask=torch.ones_like(p[None]), **call) for p in prompts])
+        answers = [model.generate(p[m.bool()][None], **call)[0, int(m.sum()):] for p, m in zip(prompts, mask)]
+    return torch.cat([prompts, torch.stack(answers)], dim=1)
 
 
 def zero3_actor(folder):
@@ -55,7 +65,7 @@ def zero3_actor(folder):
                              lr_scheduler_type="constant", num_warmup_steps=0, total_steps=1)
 
 
-def step3_answers(actor, prompts):
+def step3_answers(actor, prompts, mask):
     """Step 3's rollouts without the hybrid engine, on a stand-in trainer."""
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
 
@@ -63,7 +73,7 @@ def step3_answers(actor, prompts):
                            repetition_penalty=1.0, logprobs_from_generation=False)
     trainer = SimpleNamespace(args=args, hybrid=False, actor_model=actor, tokenizer=Tokenizer(), eos_token_id=None,
                               pad_token_id=0, z3_enabled=True, generator=torch.Generator().manual_seed(0))
-    seq, _ = DeepSpeedPPOTrainer._generate_sequence(trainer, prompts, torch.ones_like(prompts))
+    seq, _ = DeepSpeedPPOTrainer._generate_sequence(trainer, prompts, mask)
     return seq
 
 
@@ -77,14 +87,14 @@ def main():
     rank, world = ensure_distributed()
     assert world == 2, world
     model = tiny_rwkv()
-    prompts = prompts_of(rank)
-    expected = answers_alone(model, prompts)
+    prompts, mask = prompts_of(rank)
+    expected = answers_alone(model, prompts, mask)
     if rank == 0:
         model.save_pretrained(folder)
     dist.barrier()
     actor = zero3_actor(folder)
     assert all(p.numel() == 0 for p in actor.module.parameters()), "every weight partitioned"
-    got = step3_answers(actor, prompts)
+    got = step3_answers(actor, prompts, mask)
     assert torch.equal(got, expected), (rank, got.tolist(), expected.tolist())
     print(f"rank {rank} answers as each prompt alone: OK", flush=True)
 
