@@ -374,20 +374,28 @@ def test_in_a_tensor_parallel_group_the_rank_with_a_replaced_parameter_names_it_
             pass
 
 
-def test_in_a_tensor_parallel_group_the_train_phase_begins_with_one_meeting_of_the_group_on_module_surgery(
-        monkeypatch):
-    """ZeRO 0-2, a tensor-parallel group: the train() that begins a train phase asks the group (not the world: groups
-    train apart until their gradient all-reduce) whether every rank's parameters are in place, once per phase and not
-    at the train() before each micro-batch. A rank whose parameters are in place raises that another rank's was
-    replaced; under ZeRO-3 on several ranks, or once released, train() meets nobody (the group is simulated: one
-    process)."""
+# (ZeRO stage, a tensor-parallel group?) -> whom the train() that begins a train phase asks: ZeRO-3's forwards gather
+# over the world, so its ranks train in step and meet over the world (a group's too); a group under ZeRO 0-2 meets
+# alone (groups train apart until their gradient all-reduce)
+TRAIN_MEETINGS = {(2, True): "the tp group", (3, False): None, (3, True): None}
+
+
+@pytest.mark.parametrize("stage,tp", sorted(TRAIN_MEETINGS), ids=lambda v: str(v))
+def test_the_train_phase_begins_with_one_meeting_on_module_surgery_of_the_ranks_that_train_in_step(monkeypatch, stage,
+                                                                                                   tp):
+    """The train() that begins a train phase asks the ranks that train in step (``TRAIN_MEETINGS``) whether every
+    rank's parameters are in place, once per phase and not at the train() before each micro-batch: every rank of a
+    correct loop meets as often. A rank whose parameters are in place raises that another rank's was replaced, before
+    the DeepSpeed engine is switched to training. Under ZeRO-3 on several ranks train() met nobody: surgery on one
+    rank, then train(), was not refused on any. ZeRO 0-2 without a group, or once released, train() meets nobody (the
+    ranks are simulated: one process)."""
     from types import SimpleNamespace
 
     from dschat.hybrid_engine import engine as hybrid
 
     asked = []
 
-    def ranks_agree_on(meeting, flags, device, group):  # another rank's parameter was replaced
+    def ranks_agree_on(meeting, flags, device, group=None):  # another rank's parameter was replaced
         asked.append((meeting, tuple(flags), group))
         return [False]
 
@@ -395,26 +403,26 @@ def test_in_a_tensor_parallel_group_the_train_phase_begins_with_one_meeting_of_t
     monkeypatch.setattr(hybrid, "_ranks_agree_on", ranks_agree_on)
     monkeypatch.setattr(hybrid, "is_released", lambda engine: engine.released)
 
-    def rank(stage, released=False):
+    def rank(stage, tp, released=False):
         modes = []
-        fake = SimpleNamespace(tp=SimpleNamespace(group="the tp group"), released=released, modes=modes,
-                               _engine=SimpleNamespace(zero_optimization_stage=lambda: stage, device="cpu",
-                                                       train=modes.append),
+        fake = SimpleNamespace(tp=SimpleNamespace(group="the tp group") if tp else None, released=released,
+                               modes=modes, _engine=SimpleNamespace(zero_optimization_stage=lambda: stage,
+                                                                   device="cpu", train=modes.append),
                                _parameter_places=SimpleNamespace(replaced=lambda: None),
                                _train_start=None, _iteration=None)
         fake._refuse_surgery_before_training = lambda: hybrid.HybridEngine._refuse_surgery_before_training(fake)
         return fake
 
-    fake = rank(2)
+    fake = rank(stage, tp)
     with pytest.raises(RuntimeError, match=r"on another rank, a parameter of the actor \(its error names it\)"):
         hybrid.HybridEngine.train(fake)
-    assert asked == [("train()", (True,), "the tp group")] and fake.modes == []  # (refused before training mode)
+    assert asked == [("train()", (True,), TRAIN_MEETINGS[stage, tp])] and fake.modes == []  # (before training mode)
     monkeypatch.setattr(hybrid, "_ranks_agree_on", lambda *args: asked.append(args) or [True])
     for _ in range(3):  # one phase: DeepSpeed-Chat's train() before each micro-batch
         hybrid.HybridEngine.train(fake)
     assert len(asked) == 2 and fake.modes == [True] * 3
     asked.clear()
-    for fake in (rank(3), rank(2, released=True)):
+    for fake in (rank(2, False), rank(stage, tp, released=True)):
         hybrid.HybridEngine.train(fake)
         assert fake.modes == [True]
     assert asked == []

@@ -2403,6 +2403,37 @@ def test_step3_refreshes_the_hybrid_engines_copy_once_per_iteration_and_never_fo
     assert counts == {"refreshes": 3 + 1, "by_writes": 0}
 
 
+def test_step3_under_zero3_meets_the_other_ranks_in_an_order_its_iterations_alone_fix(trained, tmp_path, monkeypatch):
+    """Under ZeRO-3 on several ranks the hybrid engine's calls are meetings of the world (``_MEETINGS``: eval(),
+    generate's two, and the train() that begins a train phase, which met nobody before), so every rank must make them
+    in one order. Step 3 makes them in an order its iterations alone fix, whatever differs between ranks (their rows,
+    answers, which rank writes a checkpoint): the held-out evaluation's generations, then each iteration's rollout
+    and one train() for all its micro-batches (gradient accumulation, PPO-ptx's language-model steps, the EMA, GRPO's
+    samples, a checkpoint each iteration), a --test_stop_step early stop, and a resumed run the same from its
+    checkpoint. One rank on ZeRO-3's several-rank path (the meetings are all-reduces of a world of one here)."""
+    from dschat.hybrid_engine import engine as hybrid
+
+    meetings, agree = [], hybrid._ranks_agree_on
+
+    def ranks_agree_on(meeting, *args, **kwargs):
+        meetings.append(meeting)
+        return agree(meeting, *args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "_ranks_agree_on", ranks_agree_on)
+    monkeypatch.setattr(hybrid, "_zero3_world", lambda ds_engine: ds_engine.zero_optimization_stage() == 3)
+    flags = ["--enable_hybrid_engine", "--actor_zero_stage", "3", "--enable_ema", "--advantage_estimator", "grpo",
+             "--n_samples_per_prompt", "2", "--gradient_accumulation_steps", "2", "--unsupervised_dataset_name", "tiny",
+             "--save_interval", "1", "--max_steps", "3"]
+    generation = ["generate()", "generate()'s weight check"]
+    held_out = ["eval()", *generation * 2]  # (--eval_prompts 8: two batches of 4)
+    iteration = ["eval()", *generation, "train()"]
+    ppo.main(ppo_args(trained, tmp_path / "ppo", *flags, "--enable_test_mode", "--test_stop_step", "2"))
+    assert meetings == [*held_out, *iteration * 2, *held_out], meetings
+    meetings.clear()
+    ppo.main(ppo_args(trained, tmp_path / "ppo", *flags, "--resume"))
+    assert meetings == [*iteration, *held_out], meetings
+
+
 @pytest.mark.multirank
 def test_step3_with_zero3_on_two_ranks_refreshes_once_per_iteration_and_never_for_its_own_writes(trained, tmp_path):
     """As above on 2 ranks, where the ranks also agree on the staleness at each generation: a LoRA actor under ZeRO-3

@@ -21,12 +21,11 @@ A parameter replaced by another object is followed by neither DeepSpeed's optimi
 with ``assign=True`` is refused before it loads (``_RefusesAssignedLoad``), other module surgery
 (``resize_token_embeddings``, PEFT's ``merge_and_unload``) at the next ``eval()``/``generate`` or ``train()`` that
 begins a train phase (``ParameterPlaces``; in an inference tensor-parallel group under ZeRO 0-2 at ``generate`` and
-that ``train()`` alone, where the group meets: every rank of the group stops, ranks outside it are not told; under
-ZeRO-3 on several ranks not at ``train()``).
-Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` (which every rank calls together
-there): a copy stale on one rank (a load on rank 0 alone, inside ``GatheredParameters(modifier_rank=0)``) is refreshed
-on all, and surgery on one rank stops all. The fused projections (``fusion.py``) are rewritten at every generation
-and never behind.
+that ``train()`` alone, where the group meets: every rank of the group stops, ranks outside it are not told).
+Under ZeRO-3 on several ranks the ranks agree at each ``eval()`` and ``generate`` and at the ``train()`` that begins a
+train phase (which every rank calls together there): a copy stale on one rank (a load on rank 0 alone, inside
+``GatheredParameters(modifier_rank=0)``) is refreshed on all, and surgery on one rank stops all. The fused projections
+(``fusion.py``) are rewritten at every generation and never behind.
 """
 import contextlib
 import dataclasses
@@ -59,12 +58,13 @@ from dschat.models.training_engine import first_release, is_released, released_a
 from dschat.utils.dist import print_beside_progress_bars
 
 # The engine's meetings of the ranks that generate together (a ZeRO-3 world, an inference tensor-parallel group), in
-# their order: eval(); generate()'s arguments, then its weight check (a tensor-parallel group without ZeRO-3 meets in
-# generate()'s arguments, and at the train() that begins a train phase: _refuse_surgery_before_training). Each rank
-# says which one it is in (``_ranks_agree_on``), so a rank that called generate() alone, whose collective would pair
-# with another call of the others (their next eval(), say) and put the ranks out of step, stops every rank with an
-# error that says so. A lone eval() + generate() makes a rollout's meetings and meets the others' next rollout: under
-# ZeRO-3 (and within a group's train phase) that is not caught (README).
+# their order: eval(); generate()'s arguments, then its weight check; the train() that begins a train phase
+# (_refuse_surgery_before_training). A tensor-parallel group without ZeRO-3 meets in generate()'s arguments and at that
+# train() alone. Each rank says which one it is in (``_ranks_agree_on``), so a rank that called generate() alone, whose
+# collective would pair with another call of the others (their next eval(), say) and put the ranks out of step, stops
+# every rank with an error that says so. A lone eval() + generate() makes a rollout's meetings and meets the others'
+# next rollout: it is caught at the others' next train() (its next meeting, eval(), meets that one), not where a
+# collective of the others comes first (within a train phase, or under ZeRO-3 a forward before train(): README).
 _MEETINGS = ("eval()", "generate()", "generate()'s weight check", "train()")
 
 # the most flags a meeting agrees on: the weight check's (copy fresh, parameters in place); generate()'s arguments in a
@@ -86,10 +86,10 @@ def _ranks_agree_on(meeting, flags, device, group=None):
     if lowest != highest:
         other = _MEETINGS[(highest if lowest == code else lowest) - 1]
         raise RuntimeError(f"hybrid engine: the ranks are out of step: this rank is in {meeting} while another is in "
-                           f"{other}. Under ZeRO-3 on several ranks (and in an inference tensor-parallel group) eval() "
-                           "and generate() (engine.module.generate too) are collectives, and in such a group under "
-                           "ZeRO 0-2 so is the train() that begins a train phase: every rank calls them "
-                           "together, in the same order, each with its own prompts. A call on some ranks alone (a "
+                           f"{other}. Under ZeRO-3 on several ranks eval(), generate() (engine.module.generate too) "
+                           "and the train() that begins a train phase are collectives, and in an inference "
+                           "tensor-parallel group under ZeRO 0-2 so are generate() and that train(): every rank calls "
+                           "them together, in the same order, each with its own prompts. A call on some ranks alone (a "
                            "sample generated under `if rank == 0:`) pairs with the other ranks' next call, or waits "
                            "for ever where they make none: generate on every rank, print on rank 0")
     return [bool(flag) for flag in agreed]
@@ -352,17 +352,20 @@ class HybridEngine:
     def _refuse_surgery_before_training(self):
         """A parameter of the actor replaced since the engine was built (``ParameterPlaces``) is refused before a train
         phase as at eval() and generate: a loop that trains without generating would have DeepSpeed's optimizer train
-        the old parameters. In an inference tensor-parallel group under ZeRO 0-2 the group agrees on it first, in one
-        small all-reduce of the group once per train phase (not per micro-batch: DeepSpeed-Chat calls train() before
-        each), so a replacement on one rank stops every rank of the group; a refusal on that rank alone would leave
-        the others in the gradient all-reduce (the train path's only collective, in DeepSpeed's own buckets: nothing
-        can ride it). Under ZeRO-3 on several ranks train() meets no other rank: not checked here (eval() and
-        generate agree on it over the world); nor once released (the group is gone)."""
-        if _zero3_world(self._engine) or is_released(self):
+        the old parameters. Where ranks must train in step the ranks agree on it first, in one small all-reduce per
+        train phase (not per micro-batch: DeepSpeed-Chat calls train() before each), so a replacement on one rank
+        stops every rank there; a refusal on that rank alone would leave the others in their next collective. Under
+        ZeRO-3 on several ranks that is the world (every forward already gathers over it, so every rank of a correct
+        loop begins its train phases together); in an inference tensor-parallel group under ZeRO 0-2, the group (the
+        gradient all-reduce, the train path's only collective there, is DeepSpeed's own buckets: nothing can ride
+        it). Not once released (nothing is left to check)."""
+        if is_released(self):
             return
         replaced = self._parameter_places.replaced()
         in_place = True
-        if self.tp is not None:
+        if _zero3_world(self._engine):
+            in_place, = _ranks_agree_on("train()", [replaced is None], self._engine.device)
+        elif self.tp is not None:
             in_place, = _ranks_agree_on("train()", [replaced is None], self._engine.device, self.tp.group)
         if replaced is not None:
             _refuse_replaced(replaced)

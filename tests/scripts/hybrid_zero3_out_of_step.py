@@ -9,6 +9,12 @@
 3. A parameter of the actor replaced on rank 0 alone (module surgery after the engine was built): it used to raise on
    rank 0 alone while rank 1's eval() went on (its all-reduce paired with rank 0's next call, or waited for ever); now
    both ranks' eval() raise, and with the parameter put back both generate in step.
+4. The same replacement on rank 0, then train() with no eval() or generate: train() met no other rank, so neither
+   refused (rank 0's optimizer trained the old parameter); the train() that begins a train phase is a meeting of the
+   world now: both ranks raise there, rank 0 naming the parameter; put back, both train a step in step.
+5. A sample generated on rank 0 alone (eval() + generate under ``if rank == 0:``) made a rollout's meetings and met
+   rank 1's next rollout; rank 0's own rollout then waited for ever. Its eval() meets rank 1's train() now: both stop,
+   each saying which call it is in.
 
 Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher.
 """
@@ -20,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_common import (PAD, check_surgery_on_rank_0_refused, gather_into, hf_generate,  # noqa: E402
-                           left_padded_batch, make_ds_engine, tiny_model)
+                           left_padded_batch, make_ds_engine, tiny_model, train_step)
 
 MAX_NEW = 8
 
@@ -76,6 +82,32 @@ def check_surgery_on_rank_0_alone_stops_every_rank(engine, ids, mask, rank):
     expected = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
     assert torch.equal(generate(engine, ids, mask), expected), rank
     print(f"rank {rank} surgery undone: in step", flush=True)
+    return expected
+
+
+def check_surgery_before_training_stops_every_rank(engine, sequences, rank):
+    o_proj = engine.module.model.layers[1].self_attn.o_proj
+    weight = o_proj._parameters["weight"]
+    if rank == 0:
+        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
+    check_surgery_on_rank_0_refused(rank, engine.train)
+    o_proj._parameters["weight"] = weight
+    train_step(engine, sequences)
+    print(f"rank {rank} surgery before train(): refused", flush=True)
+
+
+def check_lone_generate_meets_the_others_train(engine, ids, mask, rank):
+    if rank == 0:
+        generate(engine, ids, mask)
+    mine = "eval()" if rank == 0 else "train()"
+    try:
+        generate(engine, ids, mask)
+        engine.train()
+    except RuntimeError as error:
+        assert f"out of step: this rank is in {mine} while another" in str(error), (rank, error)
+    else:
+        raise AssertionError(f"rank {rank}: an eval() + generate on rank 0 alone was not caught")
+    print(f"rank {rank} lone generate: out of step at train()", flush=True)
 
 
 def main():
@@ -94,7 +126,9 @@ def main():
     assert torch.equal(generate(engine, ids, mask), expected), rank
     check_one_rank_alone_is_refused(engine, ids, mask, expected, rank)
     check_a_write_on_rank_0_is_seen_by_every_rank(engine, reference, ids, mask, rank)
-    check_surgery_on_rank_0_alone_stops_every_rank(engine, ids, mask, rank)
+    sequences = check_surgery_on_rank_0_alone_stops_every_rank(engine, ids, mask, rank)
+    check_surgery_before_training_stops_every_rank(engine, sequences, rank)
+    check_lone_generate_meets_the_others_train(engine, ids, mask, rank)
     print(f"rank {rank} ALL OK", flush=True)
 
 
