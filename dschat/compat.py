@@ -224,7 +224,7 @@ class LibraryMend:
     def holds(self, works):
         """Whether ``works()`` holds, with the fix put in first where the library's own fails it. Not put in twice:
         where it is in already and the probe still fails, False; where the patched probe fails, the library's own
-        methods go back (False), and a later call tries again."""
+        methods go back (False; raising, the error goes on), and a later call tries again."""
         if works():
             return True
         if self.replaced:
@@ -233,10 +233,13 @@ class LibraryMend:
         self.replaced = {where: getattr(*where) for where in fixes}
         for (cls, name), method in fixes.items():
             setattr(cls, name, method)
-        if works():
-            return True
-        self.restore()
-        return False
+        mended = False
+        try:  # (a probe that raises fails too: left in, the fix was a later ``holds_once``'s reference)
+            mended = bool(works())
+        finally:
+            if not mended:
+                self.restore()
+        return mended
 
     def holds_once(self, make_works):
         """``holds(make_works())``, asked once per process: later calls get the first answer (nothing probed, nothing

@@ -369,6 +369,35 @@ def test_a_library_mend_whose_fix_fails_its_probe_puts_the_librarys_own_methods_
     assert answers == [1, 2, 1, 2, 1, 2] and Library.answer is own
 
 
+def test_a_library_mend_whose_fix_raises_in_its_probe_puts_the_librarys_own_methods_back():
+    """A probe that raises with the fix in (dschat's method not fitting another transformers' calls) is a failed
+    probe too: the library's own methods go back. They stayed replaced, and RWKV's ``holds_once``, asked again, made
+    its rows-alone reference with dschat's fix in place of transformers' own: the fix checked against itself."""
+    from dschat import compat
+
+    class Library:
+        def answer(self):
+            return 1
+
+    def broken(self):
+        raise TypeError("dschat's method, called as this library does not call it")
+
+    own = Library.answer
+    mend = compat.LibraryMend(lambda: {(Library, "answer"): broken})
+    references = []
+
+    def make_works():  # (as ``_rwkv_rows_apart_probe``: the reference made by the methods in place, then the probe)
+        references.append(Library().answer())
+        return lambda: Library().answer() == 3
+
+    with pytest.raises(TypeError, match="as this library does not call it"):
+        mend.holds_once(make_works)
+    assert Library.answer is own and mend.replaced == {} and mend.answer is None
+    with pytest.raises(TypeError):  # (asked again: the fix tried again, its reference the library's own)
+        mend.holds_once(make_works)
+    assert references == [1, 1] and Library.answer is own
+
+
 def test_a_value_head_narrower_than_the_hidden_states_is_a_usage_error_naming_the_way_out(monkeypatch):
     """Where the width cannot be measured (a forward that fails on the meta device: here the probe is made to fail),
     the head takes the config's hidden size; a Reformer's scores failed then on a matmul's shapes, naming nothing."""
