@@ -178,10 +178,26 @@ def table(results):
     return "\n".join(lines)
 
 
+def device_flag(text):
+    """An argparse type for --device: cpu, or a CUDA GPU torch sees. A typo ("cuda0") was a traceback of
+    torch.device's naming no flag, and another device type (meta) or a GPU not there failed each family's run."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: not a device this check runs on (cpu, cuda or cuda:N)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise argparse.ArgumentTypeError(f"{text!r}: torch {torch.__version__} sees {gpus} CUDA GPU(s) "
+                                         "(--device cpu runs on the CPU)")
+    return text
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the models run (default: cuda if torch sees a GPU, else cpu)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device_flag,
+                   help="cpu, cuda or cuda:N: where the models run (default: cuda if torch sees a GPU, else cpu)")
     p.add_argument("--families", default=",".join(TINY_MODELS), type=list_flag(unknown_name(TINY_MODELS, "family")),
                    help="comma-separated, of %(default)s")
     p.add_argument("--dtypes", default=",".join(DTYPES), type=list_flag(unknown_name(DTYPES, "dtype")),
@@ -197,8 +213,6 @@ def parse_args(argv):
     for flag in ("rows_per_length", "new_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} {getattr(args, flag)}: at least 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU (--device cpu runs on the CPU)")
     return args
 
 

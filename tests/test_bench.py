@@ -1054,3 +1054,15 @@ recurrent_rows.main(sys.argv[2:])
     assert [(r["dtype"], r["groups"]) for r in results] == [("float32", 2), ("bfloat16", 2)], results
     assert all(r["equal"] < r["rows"] and r["max_logit_delta"] > 0.1 for r in results), results
     assert "failures (a crash, or float32 rows unequal to alone): rwkv float32\n" in proc.stdout, proc.stdout
+
+
+def test_recurrent_rows_refuses_a_device_it_cannot_run_on_naming_the_flag():
+    """--device went to torch.device as given: a typo was torch's traceback naming no flag ("Expected one of cpu, cuda,
+    ... device type at start of device string: cuda0"), and a GPU torch does not see failed only once the models were
+    built. Now each is a flag error, before any model is."""
+    for device, said in (("cuda0", "'cuda0': not a device this check runs on (cpu, cuda or cuda:N)"),
+                         ("meta", "'meta': not a device this check runs on"),
+                         ("cuda:1", "'cuda:1': torch " + torch.__version__ + " sees 0 CUDA GPU(s)")):
+        proc = run_bench("recurrent_rows.py", "--device", device)
+        assert proc.returncode == 2 and f"argument --device: {said}" in proc.stderr, proc.stdout[-2000:] + \
+            proc.stderr[-2000:]
