@@ -3259,10 +3259,57 @@ def test_a_json_files_load_opens_it_for_its_hash_once_and_stats_it_for_none(tmp_
         read()
         return {"opened": len(opened), "stated": len(stated)}
 
-    # (cold: its hash, its first bytes (compressed?), the check's two reads, its stamp after the check, its encoding)
-    assert opened_and_stated_by(lambda: local.load_file("jsonl", str(data))) == {"opened": 6, "stated": 0}
+    # (cold: its hash, its first bytes (compressed?), whether its pass will be kept (the ranks' turns), the check's two
+    # reads, its stamp after the check, its encoding)
+    assert opened_and_stated_by(lambda: local.load_file("jsonl", str(data))) == {"opened": 7, "stated": 0}
     # (warm: its hash, its first bytes, its encoding)
     assert opened_and_stated_by(lambda: local.load_file("jsonl", str(data))) == {"opened": 3, "stated": 0}
     source = local.LocalSource("jsonl", str(data), None, str(data))
     assert opened_and_stated_by(source.fingerprint) == {"opened": 1, "stated": 1}  # (all_files: is it a file?)
     assert source.fingerprint()["files"] == [[str(data), data.stat().st_size, local.file_digest(str(data))]]
+
+
+def _check_json_in_child(args):
+    """Runs in a forked process: check the JSON Lines file ``path`` (``local.checked_json``) once both processes are
+    ready, the check slowed and each one made written as a line to ``marker``; (record lines, key orders) back."""
+    import time
+
+    from dschat.data import local
+
+    path, marker, barrier = args
+    check = local.check_jsonl_lines
+
+    def slow_recorded_check(*check_args):
+        time.sleep(1)  # (long enough for the other process to start checking too, where nothing stops it)
+        with open(marker, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return check(*check_args)
+
+    local.check_jsonl_lines = slow_recorded_check
+    barrier.wait()
+    key_orders = local._KeyOrders()
+    lines = local.checked_json("jsonl", path, key_orders)
+    return list(lines), key_orders.as_json()
+
+
+def test_the_processes_of_a_node_check_a_json_file_once(tmp_path, monkeypatch):
+    """On a first run every rank of a node checked the same JSON file at once (allenai/c4's en: ~5 h of CPU each),
+    where the pass one keeps is read by the others. They take turns now (the kept hashes' lock per bucket): two
+    processes checking one file at once check it once, and both get what the check gave."""
+    import multiprocessing
+
+    from dschat.data import local
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    path, marker = tmp_path / "train.jsonl", tmp_path / "checked"
+    path.write_text('{"prompt": "Hi?", "chosen": "Hello.", "meta": {"b": 1, "a": 2}}\n\n'
+                    '{"prompt": "Hey?", "chosen": "Hello.", "meta": {"a": 1, "b": 2}}\n')
+    local.file_digest(str(path))  # (its hash kept: the processes only check it)
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Manager().Barrier(2)
+    with ctx.Pool(2) as pool:
+        results = pool.map(_check_json_in_child, [(str(path), str(marker), barrier)] * 2)
+    assert len(marker.read_text().splitlines()) == 1
+    assert results[0] == results[1] and results[0][0] == [1, 3]
+

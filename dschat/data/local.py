@@ -509,12 +509,12 @@ def _digest_of_open_file(f, path):
     c4 config downloaded with --local-dir: ~300 GB each). A write sets the change time, which ``touch`` cannot set
     back: an edited file has another stamp, and is read. A file written while it was read keeps nothing, nor one on a
     file system not known to keep a real change time (``_keeps_change_time``). Processes hashing the same file at once
-    (a node's ranks on a first run) take turns (``_hashing_lock``): the first hashes it, the others read its hash.
+    (a node's ranks on a first run) take turns (``_memo_bucket_lock``): the first hashes it, the others read its hash.
     A HashedFile: with the stamp it was hashed under."""
     stamp = _stat_stamp(os.fstat(f.fileno()))
     keeps = _keeps_change_time(f.fileno())
     if (digest := _DIGESTS.get((path, stamp)) or (_kept_digest(path, stamp) if keeps else None)) is None:
-        with _hashing_lock(path, stamp) if keeps else contextlib.nullcontext():
+        with _memo_bucket_lock(_digest_memo_path(path, stamp)) if keeps else contextlib.nullcontext():
             if (digest := _kept_digest(path, stamp) if keeps else None) is None:  # (kept while this one waited)
                 hashed_at = time.time_ns()
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -527,23 +527,24 @@ def _digest_of_open_file(f, path):
 
 
 @contextlib.contextmanager
-def _hashing_lock(path, stamp):
-    """Held while the file at ``path`` of ``stamp`` is hashed and its hash kept: every rank of a node hashed the same
-    files at once on a first run (c4's shards: ~300 GB each), where one would do and the others read its kept hash.
-    A file lock, not a collective: ranks need not hash the same files, nor in one order, nor have a process group; a
-    rank killed while holding it lets it go. One lock per bucket of the kept hashes (a 256th of them, by the entry's
-    name), a file beside the buckets (at most 256, never pruned). Where it cannot be taken (a cache folder not
-    writable, another user's lock file in a shared cache, a file system without flock), none is: the process hashes
-    the file itself. flock alone, not filelock's FileLock: without flock, FileLock falls back to a marker file, which
-    a process of another host or container never takes for stale, so a rank killed while hashing held every later
-    process hashing a file of its bucket up for ever (filelock 3 raised NotImplementedError there instead)."""
+def _memo_bucket_lock(memo):
+    """Held while what is kept at ``memo`` (a file in a bucket folder of a memo folder of datasets' cache: a kept hash,
+    a JSON file's passed check) is made and kept, so that the processes making it at once (a node's ranks on a first
+    run) take turns: the first makes it, the others, let in after, read what it kept. A file lock, not a collective:
+    ranks need not make the same memos, nor in one order, nor have a process group; a rank killed while holding it
+    lets it go. One lock per bucket (a 256th of the memos, by the entry's name), a file beside the bucket folder (at
+    most 256, never pruned). Where it cannot be taken (a cache folder not writable, another user's lock file in a
+    shared cache, a file system without flock), none is: the process makes the memo itself. flock alone, not
+    filelock's FileLock: without flock, FileLock falls back to a marker file, which a process of another host or
+    container never takes for stale, so a rank killed while holding it held every later process making a memo of its
+    bucket up for ever (filelock 3 raised NotImplementedError there instead)."""
     import fcntl
 
-    bucket = os.path.basename(os.path.dirname(_digest_memo_path(path, stamp)))
+    bucket = os.path.dirname(memo)
     fd = None
     with contextlib.suppress(OSError):
-        os.makedirs(_digest_memo_folder(), exist_ok=True)
-        fd = os.open(os.path.join(_digest_memo_folder(), f"{bucket}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        os.makedirs(os.path.dirname(bucket), exist_ok=True)
+        fd = os.open(f"{bucket}.lock", os.O_RDWR | os.O_CREAT, 0o666)
     if fd is None:
         yield
         return
@@ -1617,16 +1618,22 @@ def checked_json(kind, path, key_orders, digest):
     that names one: ``RecordLinesOnDemand``). A pass is kept only where later processes find the file's hash without
     reading it (``shared_digest``: a hub blob, or a hash kept under the file's stamp), and that hash is still the one
     the check was looked up by: a file written while it was checked keeps nothing. ``digest``: the file's
-    (``file_digest``: ``load_file``'s load's cache key too, found once)."""
+    (``file_digest``: ``load_file``'s load's cache key too, found once). Processes checking a file that keeps its pass
+    at once (a node's ranks on a first run) take turns (``_memo_bucket_lock``): the first checks it, the others read
+    what it kept (or, where it failed, check it themselves: a bad file keeps nothing)."""
     memo = _json_check_memo_path(kind, path, digest)
     kept = _kept_json_check(memo)
-    if kept is not None:
-        key_orders.add_kept(kept["key_orders"])
-        return _record_lines_kept(kept["lines"], path)
-    record_lines = (check_jsonl_lines if kind == "jsonl" else check_json_document)(path, key_orders)
-    if (shared := shared_digest(path)).sha256 == digest:  # (its stamp now: the kept pass's, no other stat)
-        _keep_json_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
-    return record_lines
+    if kept is None:
+        # (no turns where nothing will be kept: each process checks as before, not one after another)
+        with _memo_bucket_lock(memo) if shared_digest(path).sha256 == digest else contextlib.nullcontext():
+            kept = _kept_json_check(memo)  # (kept by another process while this one waited)
+            if kept is None:
+                record_lines = (check_jsonl_lines if kind == "jsonl" else check_json_document)(path, key_orders)
+                if (shared := shared_digest(path)).sha256 == digest:  # (its stamp now: the kept pass's, no stat)
+                    _keep_json_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
+                return record_lines
+    key_orders.add_kept(kept["key_orders"])
+    return _record_lines_kept(kept["lines"], path)
 
 
 def _json_check_memo_path(kind, path, digest):
