@@ -1674,15 +1674,55 @@ def _kept_json_check(memo):
 
 
 def _keep_json_check(memo, path, stamp, kept):
-    """Write a passed check at ``memo`` whole (``atomic_file``), the file's path and ``stamp`` (None: the file's now) on
-    its second line, as a kept hash's, for pruning to remove it once the file is gone or written
-    (``prune_kept_digests``; a copy of the content elsewhere then checks it again). A cache folder not writable keeps
-    nothing."""
+    """Write a passed check (a JSON file's; a split's records', ``path`` its first file) at ``memo`` whole
+    (``atomic_file``), the file's path and ``stamp`` (None: the file's now) on its second line, as a kept hash's, for
+    pruning to remove it once the file is gone or written (``prune_kept_digests``; a copy of the content elsewhere then
+    checks it again). A cache folder not writable keeps nothing."""
     with contextlib.suppress(OSError):
         entry = json.dumps([os.path.abspath(path), *(stamp or _stat_stamp(os.stat(path)))])
         with atomic_file(memo) as f:
             f.write(f"{json.dumps(kept)}\n{entry}")  # (ASCII: as pruning reads it)
-    _prune_now_and_then(_datasets_cache_folder(JSON_CHECK_MEMO_FOLDER))
+    _prune_now_and_then(os.path.dirname(os.path.dirname(memo)))  # (its memo folder: the JSON checks' or records')
+
+
+# A split's records that passed ``LocalDataset._validate`` (every record read through the accessors: ~10 s for 100 MB
+# of JSON Lines on 2 CPU cores, more where a mixed-type column is decoded from JSON text each record) are kept as
+# passed by the content of the split's files, the reader's settings and the code of dschat.data
+# (``_records_check_memo``): a later run of the same data reads none of them again.
+RECORDS_CHECK_MEMO_FOLDER = "dschat_records_checked"
+
+
+def _records_check_memo(kind, paths, settings):
+    """Where the pass of ``LocalDataset._validate`` over the records of the files ``paths`` of ``kind``, read by a
+    reader of ``settings`` (JSON), is kept; None for a save_to_disk folder (not a file hashed) or no files."""
+    if kind == "disk" or not paths:
+        return None
+    import datasets
+    import pyarrow
+
+    key = json.dumps([_data_code_digest(), datasets.__version__, pyarrow.__version__, kind,
+                      [file_digest(path) for path in paths], settings], sort_keys=True, default=repr)
+    name = hashlib.sha256(key.encode()).hexdigest()
+    return os.path.join(_datasets_cache_folder(RECORDS_CHECK_MEMO_FOLDER), name[:2], name)
+
+
+def _hashes_shared(paths):
+    """Whether later processes find the hashes of the files ``paths`` without reading them (``shared_digest``), and
+    they are those this process read them by (``file_digest``): else what is kept by them would not be found, or would
+    be of other content (a file written since)."""
+    return all(shared_digest(path).sha256 == file_digest(path) for path in paths)
+
+
+@functools.cache
+def _data_code_digest():
+    """The sha256 of dschat.data's modules' source: what a record passes is decided all over them and changes with
+    them, and a version bumped by hand would be forgotten, a record the new code refuses let through."""
+    folder, digest = os.path.dirname(os.path.abspath(__file__)), hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
 
 
 class RecordLinesOnDemand(Sequence):
@@ -2310,7 +2350,8 @@ class LocalDataset(PromptRawDataset):
             self.reward_columns += (ALPACA_OUTPUT,)
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
-        self._validate(train, self.source.train, self._train_lines)
+        self._validate_unless_passed(train, self.source.kind, self.source.train_files, self.source.train,
+                                     self._train_lines)
         if eval_data is not None:
             eval_where = self.source.eval_where or self.source.train_where
             if self._record_shape(eval_data, eval_where) != self.shape:
@@ -2318,7 +2359,8 @@ class LocalDataset(PromptRawDataset):
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._check_renamed_columns_beside(eval_data.column_names, eval_where)
             self._check_renamed_prompt_parts(eval_data.column_names, eval_where)
-            self._validate(eval_data, self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
+            self._validate_unless_passed(eval_data, self.source.eval_type, self.source.eval_files,
+                                         self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
 
     def _system_column(self, columns):
@@ -2537,6 +2579,36 @@ class LocalDataset(PromptRawDataset):
     def _shape_fields(self):
         return {"messages": ("messages",), "prompt": ("prompt", "chosen", "rejected"),
                 "chosen_messages": ("chosen", "rejected")}[self.shape]
+
+    # The reader's attributes that say where its data is and what it is called, not how a record is read
+    # (``_reading_settings``)
+    NOT_READING_SETTINGS = frozenset({"source", "dataset_name", "dataset_name_clean", "flag", "output_path", "seed",
+                                      "local_rank", "raw_datasets", "_train_lines", "_eval_lines"})
+
+    def _reading_settings(self):
+        """How this reader reads a record (its field names, the record shape, its columns...), as JSON: every
+        attribute set but NOT_READING_SETTINGS, so that one added later is in the records' pass's key
+        (``_records_check_memo``) unless said to be of no matter."""
+        return [type(self).__qualname__, {name: value for name, value in vars(self).items()
+                                          if name not in self.NOT_READING_SETTINGS}]
+
+    def _validate_unless_passed(self, data, kind, paths, where, record_lines):
+        """``_validate`` of the records of the files ``paths``, unless they passed it before with the same content,
+        reader settings and code (``_records_check_memo``), the pass kept where later processes find the files'
+        hashes without reading them and those are still the ones it was looked up by (as ``checked_json``'s; a
+        failed walk keeps nothing). Processes walking the same records at once take turns (``_memo_bucket_lock``)."""
+        memo = _records_check_memo(kind, paths, self._reading_settings())
+        if memo is None:
+            self._validate(data, where, record_lines)
+            return
+        if os.path.isfile(memo):
+            return
+        with _memo_bucket_lock(memo) if _hashes_shared(paths) else contextlib.nullcontext():
+            if os.path.isfile(memo):  # (kept by another process while this one waited)
+                return
+            self._validate(data, where, record_lines)
+            if _hashes_shared(paths):
+                _keep_json_check(memo, paths[0], None, {"passed": True})
 
     def _validate(self, data, path, record_lines):
         """Read every record through the accessors once, so a bad one fails now, with its location."""
