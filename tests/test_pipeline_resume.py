@@ -275,6 +275,36 @@ def test_a_step_finished_by_an_older_dschat_runs_again_and_a_newer_ones_output_i
             step_2_with(newer)
 
 
+def test_an_output_recording_a_null_step_version_is_kept_where_no_change_reaches_its_models(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A run resumed from a checkpoint that recorded no step version records "step_version": null where a change of
+    some families alone reaches its models, and did whatever its models from d99bfd7 to 50b0eb5: train.py --resume
+    trained every such output again, though since 50b0eb5 the same resume records this dschat's version and is kept.
+    A null output is judged by that rule, from the families of the models it saved: an OPT one is kept (unsaid, as
+    this dschat's), an RWKV one, or one whose families cannot be read, trains again; so does one that a change since
+    the version that recorded null reaches."""
+    finish(tmp_path, 1, 100), finish(tmp_path, 2, 200), finish(tmp_path, 3, 300)
+    folder = tmp_path / FOLDERS[2]
+    record_file = folder / "training_args.json"
+    record_file.write_text(json.dumps({**json.loads(record_file.read_text()), STEP_VERSION: None}))
+
+    def step_2_of(model_type):
+        if model_type is not None:
+            (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+        return plan_steps([1, 2, 3], "ppo", str(tmp_path), {1: FLAGS, 2: FLAGS, 3: FLAGS})[2]
+
+    stale = (FRESH, f"its finished output in {folder} is one resumed from a checkpoint of a dschat from before "
+                    f"checkpoints recorded the step's version (step_version null in {record_file}), which may have "
+                    "trained it otherwise")
+    assert step_2_of(None) == stale  # (no config.json: its family unknown)
+    assert step_2_of("opt") == (SKIP, "")
+    pipeline.say_an_older_dschats_output(3, 2, str(folder), "2 3")  # (train.py --step 3 reads it as this dschat's)
+    assert "note:" not in capsys.readouterr().out
+    assert step_2_of("rwkv") == stale  # (step 2's version 2 changed how RWKV models train)
+    monkeypatch.setitem(STEP_VERSIONS, "step2", STEP_VERSIONS["step2"] + 1)  # (a change of every output since)
+    assert step_2_of("opt") == stale
+
+
 def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by_the_plan(tmp_path, monkeypatch):
     """train.py --resume planned "resumes from its last checkpoint" whatever dschat saved it: the step said an older
     dschat's, and refused a newer one's (or another step's), only when it started, after the steps before it had run

@@ -577,12 +577,15 @@ def older_step_version(then, name, where, made, remedy, record=None, folder=None
     it but one of other families than its models'; ``folder``: an output's, whose models' families a change of some
     families alone is judged by; ``families``: those, where known otherwise, a checkpoint's): the words to say of it
     ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's or no change since
-    reaches it. A newer dschat's (or a value no dschat records) is a UsageError naming ``where``, with
+    reaches it (an output recording null: ``kept_null_output``). A newer dschat's (or a value no dschat records) is a UsageError naming ``where``, with
     ``remedy``: what to do instead. ``null``: whether ``where`` records ``then`` None as null, not without the key
     (None: whether ``record`` holds the key)."""
     now = STEP_VERSIONS.get(name)
     if then is None:
-        return _unversioned(made, where, STEP_VERSION in (record or {}) if null is None else null)
+        null = STEP_VERSION in (record or {}) if null is None else null
+        if null and made == "output" and kept_null_output(name, record, folder):
+            return None
+        return _unversioned(made, where, null)
     if now is None or type(then) is not int or then > now:  # (bool is an int: not a version)
         latest = f"its latest is {now}" if now is not None else "nor a step of that name"
         raise UsageError(f"{where} records {STEP_VERSION} {then!r} of {name}, which this dschat does not know "
@@ -591,6 +594,27 @@ def older_step_version(then, name, where, made, remedy, record=None, folder=None
         return (f"an older dschat's ({STEP_VERSION} {then} of {name}, {now} now: STEP_VERSIONS in "
                 "dschat/steps/common.py says what changed)")
     return None
+
+
+# The step versions of the dschats that recorded step_version null in the output of a run resumed from a checkpoint
+# that recorded none (d99bfd7 to 50b0eb5, whatever its models; since, only where a change of some families alone
+# reaches them, ``recorded_step_version``): such an output's step trained as these versions did after the checkpoint.
+NULL_RECORDED_BY = {"step1": 2, "step2": 2, "step2_dpo": 3, "step3": 3}
+
+
+def kept_null_output(name, record, folder):
+    """Whether the finished output of step ``name`` in ``folder`` (``record``: its training_args.json) that records
+    step_version null is kept as this dschat's, by the rule a run resumed from an unversioned checkpoint records
+    this dschat's version by now (``recorded_step_version``): no change of some families alone since version 1
+    reaches the families of its models (``output_model_types``: unknown, reached), and no change reaches it since the
+    version that recorded null (``NULL_RECORDED_BY``). The null of the dschats before 50b0eb5 trained such an output
+    again at every train.py --resume, though its run had taken the checkpoint on, said, as now."""
+    then = NULL_RECORDED_BY.get(name)
+    if then is None or folder is None:
+        return False
+    families = output_model_types(folder, record)
+    return families is not None and not family_changes_reaching(None, name, families) and \
+        not version_changes_since(then, name, record, folder)[0]
 
 
 def _unversioned(made, where, null):
