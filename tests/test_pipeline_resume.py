@@ -752,6 +752,43 @@ def test_a_step3_resumed_after_its_run_folder_moved_and_step_2_trained_again_rec
                                                      FRESH)
 
 
+def test_a_step3_whose_actor_is_outside_its_moved_run_folder_records_step_2_once_under_the_run_it_started_from(
+        tmp_path):
+    """As above, with step 3's actor given as a folder outside the run folder (--actor_model_name_or_path in
+    --step3-args): no other model of the run folder tells where it moved, so step 2's folder was recorded under both
+    run ids, the old one at the old path and the new one at the new path, and train.py --resume skipped step 3 as made
+    from the present step 2. Step 3's own output folder tells: a step folder loaded beside it now, whose model is
+    another than the checkpoint's run loaded from the folder of that name, is recorded once, under the run the
+    checkpoint started from."""
+    from dschat.steps.common import input_runs, keep_resumed_inputs
+
+    finish(tmp_path / "models", 1, 100, ("a", []))
+    actor = tmp_path / "models" / "sft"
+    os.rename(tmp_path / "models" / FOLDERS[1], actor)
+
+    def resumed_in(run_folder, moved_from=None):
+        finish(run_folder, 2, 200, ("b", ["a"]))
+        started = {str(actor): "a", str((moved_from or run_folder) / FOLDERS[2]): "b"}
+        finish(run_folder, 2, 300, ("b2", ["a"]))  # trained again, in its folder now
+        args = Namespace(**{**vars(FLAGS), "actor_model_name_or_path": str(actor),
+                            "critic_model_name_or_path": str(run_folder / FOLDERS[2]),
+                            "reward_model_name_or_path": None, "advantage_estimator": "gae",
+                            "reward_model_weight": 1.0, "output_dir": str(run_folder / FOLDERS[3])})
+        keep_resumed_inputs(args, {"iteration": 1, "inputs": started})
+        inputs = input_runs(args)
+        finish(run_folder, 3, 400, ("c", []))
+        record = json.loads((run_folder / FOLDERS[3] / "training_args.json").read_text())
+        (run_folder / FOLDERS[3] / "training_args.json").write_text(json.dumps({**record, "inputs": inputs}))
+        return inputs, plan_steps([2, 3], "ppo", str(run_folder), {2: FLAGS, 3: FLAGS})[3].action
+
+    stayed = tmp_path / "stayed"
+    assert resumed_in(stayed) == ({str(actor): "a", str(stayed / FOLDERS[2]): "b"}, FRESH)
+    moved = tmp_path / "moved"
+    assert resumed_in(moved, moved_from=tmp_path / "gone") == ({str(actor): "a", str(moved / FOLDERS[2]): "b"}, FRESH)
+    copied = tmp_path / "copied"  # (from the run folder that stayed, whose step 2 is its own)
+    assert resumed_in(copied, moved_from=stayed) == ({str(actor): "a", str(copied / FOLDERS[2]): "b"}, FRESH)
+
+
 def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tmp_path, distributed, monkeypatch,
                                                                               capsys):
     from dschat.steps import ppo

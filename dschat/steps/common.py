@@ -18,7 +18,8 @@ from dschat.models.training_engine import check_schedule_reaches_its_end, initia
 from dschat.models.zero3 import full_numel
 from dschat.rlhf.algorithms import check_finite
 from dschat.report import counted
-from dschat.run_layout import ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR, FINISHED_MARK, RUN_ARGS_FILE, unfinished_reason
+from dschat.run_layout import (ACTOR_DIR, ACTOR_EMA_DIR, CRITIC_DIR, FINISHED_MARK, RUN_ARGS_FILE, STEP_FOLDER_NAMES,
+                               unfinished_reason)
 from dschat.utils.checkpoints import DATA_FILES, DATA_FILES_FLAGS, DATA_SOURCE_FLAGS, HUB_DATA, UNSUPERVISED_DATA
 from dschat.utils.dist import (all_reduce, barrier, check_same_on_every_rank, ensure_distributed, gathered_objects,
                                get_world_size, is_rank_0, local_device, print_rank_0, rank_0_decides, rank_mean)
@@ -808,16 +809,20 @@ def input_runs(args):
     # (the checkpoint's run's models, a moved folder's by its path now; a model new to this run, at a path the
     # checkpoint's did not load; not a folder that holds another model than the checkpoint's run loaded from it,
     # moved or not)
-    kept = {path_now: started[path] for path, path_now in _resumed_paths_now(started, runs).items()}
+    kept = {path_now: started[path] for path, path_now in
+            _resumed_paths_now(started, runs, getattr(args, "output_dir", None)).items()}
     return {**kept, **{path: run for path, run in runs.items() if path not in kept and path not in started}}
 
 
-def _resumed_paths_now(started, runs):
+def _resumed_paths_now(started, runs, output_dir=None):
     """{path: its path now} of the model folders a resumed checkpoint's run loaded (``started``: {path: run id}), by
     the models this run loads (``runs``, ``input_runs``): a folder that holds the same run is where it is loaded now
     (the run folder moved or copied); one whose sibling folders moved so is where they moved to, where this run loads
     a model there (the run folder moved or copied, then its step trained again in it: the same folder, another model,
-    recorded under the run the checkpoint started from, not beside it under the new one's id); else where it was."""
+    recorded under the run the checkpoint started from, not beside it under the new one's id); a step folder of a run
+    folder (``STEP_FOLDER_NAMES``) where no sibling it loaded tells (step 3's actor given from elsewhere), that of its
+    name beside this step's ``output_dir``, where this run loads a model there (the run folder moved or copied with
+    this step's own); else where it was."""
     loaded_at = {run: path for path, run in runs.items()}
     moved = {path: loaded_at[run] for path, run in started.items() if run in loaded_at}
     parents = {}
@@ -825,13 +830,18 @@ def _resumed_paths_now(started, runs):
         parents.setdefault(os.path.dirname(path), set()).add(os.path.dirname(path_now))
     # (the one folder each recorded parent moved to, where its moved folders agree)
     parent_now = {parent: now.pop() for parent, now in parents.items() if len(now) == 1}
+    run_folder = output_dir and os.path.dirname(os.path.abspath(output_dir))  # (this step's own folder is in it)
 
     def now(path):
         if path in moved:
             return moved[path]
         parent = parent_now.get(os.path.dirname(path))
         beside = parent and os.path.join(parent, os.path.basename(path))
-        return beside if beside in runs else path
+        if beside in runs:
+            return beside
+        ours = run_folder and os.path.basename(path) in STEP_FOLDER_NAMES and \
+            os.path.join(run_folder, os.path.basename(path))
+        return ours if ours in runs else path
 
     return {path: now(path) for path in started}
 
