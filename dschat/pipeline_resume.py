@@ -16,6 +16,7 @@ made from the present outputs of the steps it starts from, and none of those run
 A step removes its metrics.json when it starts training, so an interrupted run never looks finished. What an output
 or checkpoint was made from is read from the run ids it recorded of its inputs (``steps.common.input_runs``).
 """
+import contextlib
 import json
 import math
 import os
@@ -107,77 +108,86 @@ def step_inputs(recipe, step, rm_from_sft, ready_reward_model=False):
     return earlier
 
 
-def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward_model=False, world_size=None):
+def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward_model=False, world_size=None,
+               errors_of=None):
     """{step: Decision} for ``steps`` (in order); ``parsed``: step -> its parsed flags now; ``world_size``: the ranks
-    of this run (None: the process group's). Rank 0's: a step's save that a kill stopped while it replaced the step's
-    folder (``checkpoint.finish_interrupted_swap``) is finished first."""
-    from dschat.models.checkpoint import recover_interrupted_saves
+    of this run (None: the process group's); ``errors_of``: step -> a context manager its refusals are raised
+    through (train.py's: they name the flags as its user typed them, ``pipeline.says_train_py_flags``). Rank 0's: a
+    step's save that a kill stopped while it replaced the step's folder (``checkpoint.finish_interrupted_swap``) is
+    finished first."""
     from dschat.utils.dist import get_world_size
 
     world_size = get_world_size() if world_size is None else world_size
+    errors_of = errors_of or (lambda step: contextlib.nullcontext())
     plan = {}
     for step in steps:
-        inputs = step_inputs(recipe, step, rm_from_sft, ready_reward_model)
-        rerun = [s for s in inputs if s in plan and plan[s].action != SKIP]
-        if rerun:
-            plan[step] = Decision(FRESH, f"it starts from step {rerun[-1]}'s new output")
-            continue
-        folder = _folder(output_dir, recipe, step)
-        recover_interrupted_saves(folder)  # (its checkpoints went with the folder a kill stopped a save swapping)
-        made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
-        record = read_run_args(folder)
-        current = made_from.current(finished_time(folder), record)
-        reshaped = same_batches_on_other_ranks(step, record, parsed[step], world_size)
-        differing, alike = weigh_step1_loss_agg([name for name in changed_flags(record, parsed[step])
-                                                 if name not in reshaped], step, record, parsed[step], world_size)
-        ignored = weightless_differences(differing, step_name(recipe, step), record, parsed[step])
-        changed = [name for name in differing if name not in ignored]
-        # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
-        # resume only to train on for longer
-        checkpoint = checkpoint_state(folder)
-        # a raised --max_steps / --num_train_epochs (only those changed): the same run made longer (a lowered one
-        # would resume past its new end)
-        longer = bool(changed) and set(changed) <= EXTENDING and \
-            all(_raised(name, record, parsed[step]) for name in changed)
-        # a flag the checkpoint is bound to (--offload: its optimizer is DeepSpeed's CPU Adam; step 3's --eval_prompts):
-        # a finished output given another value alone is skipped, but is not trained on from its checkpoint, which the
-        # step would refuse (said as changed)
-        bound = [name for name in ignored if _checkpoint_had_other(name, checkpoint, parsed[step])]
-        if longer and bound:
-            longer, changed = False, changed + bound
-        # (another --data_path is a changed flag, said as one below)
-        edited = None if {"data_path", "sft_only_data_path"} & set(changed) else \
-            edited_data(record if finished_time(folder) else None, checkpoint, parsed[step])
-        # (a newer dschat's output is refused only where this plan would keep it: skipped, or trained on from its
-        # checkpoint; other flags or edited data train the step afresh anyway)
-        kept = not changed or (checkpoint is not None and longer)
-        older = older_step_output(folder, record, step, steps, kept) if current and not edited else None
-        if edited:
-            plan[step] = Decision(FRESH, f"the content of its data files changed since its {edited[0]} in "
-                                         f"{folder}: {', '.join(edited[1])}")
-        elif older:
-            plan[step] = Decision(FRESH, older)
-        elif current and not changed:
-            plan[step] = Decision(SKIP, _same_output_why(ignored, alike, record, parsed[step], folder))
-        elif not current and made_from.current(checkpoint_time(folder), checkpoint):
-            plan[step] = resumed_checkpoint(step, steps, recipe, folder, checkpoint, parsed[step], "it was interrupted")
-        elif current and checkpoint is not None and longer:
-            plan[step] = resumed_checkpoint(step, steps, recipe, folder, checkpoint, parsed[step],
-                                            "to train on past its finished output ("
-                                            + ", ".join(f"--{name}" for name in changed) + ")")
-        elif current:
-            # (a longer run trains on from a checkpoint only: without one it starts over)
-            extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
-            plan[step] = Decision(FRESH, f"its finished output in {folder} had other values of "
-                                         f"{', '.join(said_change(name, record, parsed[step]) for name in changed)}"
-                                         + extends)
-        elif inputs:
-            plural = "s" if len(inputs) > 1 else ""
-            plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint made from the present "
-                                         f"output{plural} of step{plural} {', '.join(map(str, inputs))}")
-        else:
-            plan[step] = Decision(FRESH, f"{folder} holds no finished output nor checkpoint")
+        with errors_of(step):
+            plan[step] = _step_decision(step, steps, recipe, output_dir, parsed[step], plan, rm_from_sft,
+                                        ready_reward_model, world_size)
     return plan
+
+
+def _step_decision(step, steps, recipe, output_dir, flags, plan, rm_from_sft, ready_reward_model, world_size):
+    """``plan_steps``' Decision for ``step`` (``flags``: its parsed flags now), after the steps before it (``plan``)."""
+    from dschat.models.checkpoint import recover_interrupted_saves
+
+    inputs = step_inputs(recipe, step, rm_from_sft, ready_reward_model)
+    rerun = [s for s in inputs if s in plan and plan[s].action != SKIP]
+    if rerun:
+        return Decision(FRESH, f"it starts from step {rerun[-1]}'s new output")
+    folder = _folder(output_dir, recipe, step)
+    recover_interrupted_saves(folder)  # (its checkpoints went with the folder a kill stopped a save swapping)
+    made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
+    record = read_run_args(folder)
+    current = made_from.current(finished_time(folder), record)
+    reshaped = same_batches_on_other_ranks(step, record, flags, world_size)
+    differing, alike = weigh_step1_loss_agg([name for name in changed_flags(record, flags)
+                                             if name not in reshaped], step, record, flags, world_size)
+    ignored = weightless_differences(differing, step_name(recipe, step), record, flags)
+    changed = [name for name in differing if name not in ignored]
+    # a finished output's checkpoints are its own run's (a run that trains removes metrics.json first): they
+    # resume only to train on for longer
+    checkpoint = checkpoint_state(folder)
+    # a raised --max_steps / --num_train_epochs (only those changed): the same run made longer (a lowered one
+    # would resume past its new end)
+    longer = bool(changed) and set(changed) <= EXTENDING and \
+        all(_raised(name, record, flags) for name in changed)
+    # a flag the checkpoint is bound to (--offload: its optimizer is DeepSpeed's CPU Adam; step 3's --eval_prompts):
+    # a finished output given another value alone is skipped, but is not trained on from its checkpoint, which the
+    # step would refuse (said as changed)
+    bound = [name for name in ignored if _checkpoint_had_other(name, checkpoint, flags)]
+    if longer and bound:
+        longer, changed = False, changed + bound
+    # (another --data_path is a changed flag, said as one below)
+    edited = None if {"data_path", "sft_only_data_path"} & set(changed) else \
+        edited_data(record if finished_time(folder) else None, checkpoint, flags)
+    # (a newer dschat's output is refused only where this plan would keep it: skipped, or trained on from its
+    # checkpoint; other flags or edited data train the step afresh anyway)
+    kept = not changed or (checkpoint is not None and longer)
+    older = older_step_output(folder, record, step, steps, kept) if current and not edited else None
+    if edited:
+        return Decision(FRESH, f"the content of its data files changed since its {edited[0]} in {folder}: "
+                               f"{', '.join(edited[1])}")
+    if older:
+        return Decision(FRESH, older)
+    if current and not changed:
+        return Decision(SKIP, _same_output_why(ignored, alike, record, flags, folder))
+    if not current and made_from.current(checkpoint_time(folder), checkpoint):
+        return resumed_checkpoint(step, steps, recipe, folder, checkpoint, flags, "it was interrupted")
+    if current and checkpoint is not None and longer:
+        return resumed_checkpoint(step, steps, recipe, folder, checkpoint, flags,
+                                  "to train on past its finished output ("
+                                  + ", ".join(f"--{name}" for name in changed) + ")")
+    if current:
+        # (a longer run trains on from a checkpoint only: without one it starts over)
+        extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
+        return Decision(FRESH, f"its finished output in {folder} had other values of "
+                               f"{', '.join(said_change(name, record, flags) for name in changed)}" + extends)
+    if inputs:
+        plural = "s" if len(inputs) > 1 else ""
+        return Decision(FRESH, f"{folder} holds no finished output nor checkpoint made from the present "
+                               f"output{plural} of step{plural} {', '.join(map(str, inputs))}")
+    return Decision(FRESH, f"{folder} holds no finished output nor checkpoint")
 
 
 def older_step_output(folder, record, step, steps, kept=True):

@@ -1171,6 +1171,31 @@ def _interrupted_with(out, step, saved_flags):
     state.write_text(json.dumps({**this_checkpoint(step), "step": 1, "flags": saved_flags}))
 
 
+def test_train_py_resume_plan_errors_name_the_flags_as_train_py_spells_them(tmp_path, distributed):
+    """train.py --resume refuses before any step runs an interrupted step whose checkpoint no conversion moves to this
+    run's ZeRO stage, with the step's message: it named the step's --zero_stage, which train.py sets from
+    --actor-zero-stage, the flag its user typed. The plan's errors name train.py's flags as its steps' errors do
+    (``says_train_py_flags``); a flag given in --stepN-args keeps the step's spelling."""
+    from dschat.steps import resume
+
+    out = tmp_path / "out"
+
+    def plan_of(*given):
+        args = TRAIN_PY["parse_args"](["--output-dir", str(out), "--step", "1", *given, "--resume"])
+        return pipeline.resume_plan([1], args, pipeline.check_step_args([1], args, True, {1: pipeline_parser(1)}),
+                                    True)
+
+    step1 = pipeline.check_step_args([1], TRAIN_PY["parse_args"](["--output-dir", str(out), "--step", "1"]), True,
+                                     {1: pipeline_parser(1)})[1]
+    _interrupted_with(out, 1, resume.flag_values(Namespace(**{**vars(step1), "zero_stage": 2})))
+    assert plan_of("--actor-zero-stage", "3")[1].action == RESUME
+    with pytest.raises(UsageError, match=r"was saved at ZeRO stage 2 \(--actor-zero-stage 2\), this run has 0; .*: "
+                                         r"resume with --actor-zero-stage 2 "):
+        plan_of("--actor-zero-stage", "0")
+    with pytest.raises(UsageError, match=r"\(--zero_stage 2\), this run has 0; .*: resume with --zero_stage 2 "):
+        plan_of("--step1-args", "--zero_stage 0")
+
+
 def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused_by_the_plan(tmp_path):
     """train.py --resume planned "resumes from its last checkpoint: it was interrupted" for a step given other values
     of flags its checkpoint is bound to (LoRA, precision, seed, ...), which the step refused only after loading its
