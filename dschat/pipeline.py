@@ -845,8 +845,9 @@ def resume_plan(steps, args, parsed, tiny):
     folders = [os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step]) for step in steps]
     if not any(os.path.isdir(folder) for folder in folders):  # (a mistyped --output-dir trains everything again)
         print_rank_0(f"train.py --resume: {args.output_dir} holds no earlier run's steps; every step starts afresh")
-    for step, decision in plan.items():
-        print_rank_0(describe(step, decision, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step])))
+    for step, decision in plan.items():  # (its flags as train.py's user typed them, as in a refusal)
+        line = describe(step, decision, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step]))
+        print_rank_0(in_train_py_spelling(line, step, args, step_argv(step, args, tiny)))
     return plan
 
 

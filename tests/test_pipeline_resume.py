@@ -1196,6 +1196,27 @@ def test_train_py_resume_plan_errors_name_the_flags_as_train_py_spells_them(tmp_
         plan_of("--step1-args", "--zero_stage 0")
 
 
+def test_train_py_resume_says_each_steps_flags_as_train_py_spells_them(tmp_path, distributed, capsys):
+    """The plan's line for a step named its flags in the step's spelling: a finished step 1 given another
+    --actor-zero-stage was "skipped (--resume): its output does not depend on the ZeRO stage (--zero_stage 2 -> 3)",
+    a flag the user never typed. The lines name train.py's flags as its refusals do."""
+    out = tmp_path / "out"
+
+    def step1_flags(*given):
+        args = TRAIN_PY["parse_args"](["--output-dir", str(out), "--step", "1", *given, "--resume"])
+        return args, pipeline.check_step_args([1], args, True, {1: pipeline_parser(1)})
+
+    _, parsed = step1_flags("--actor-zero-stage", "2")
+    (out / FOLDERS[1]).mkdir(parents=True)
+    (out / FOLDERS[1] / "training_args.json").write_text(json.dumps(
+        {"step": "step1", **this_version(1), "flags": vars(parsed[1])}, default=str))
+    (out / FOLDERS[1] / "metrics.json").write_text("{}")
+    args, parsed = step1_flags("--actor-zero-stage", "3")
+    assert pipeline.resume_plan([1], args, parsed, True)[1].action == SKIP
+    assert "skipped (--resume): its output does not depend on the ZeRO stage (--actor-zero-stage 2 -> 3)" in \
+        capsys.readouterr().out
+
+
 def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused_by_the_plan(tmp_path):
     """train.py --resume planned "resumes from its last checkpoint: it was interrupted" for a step given other values
     of flags its checkpoint is bound to (LoRA, precision, seed, ...), which the step refused only after loading its
