@@ -5038,6 +5038,30 @@ def test_under_synced_gpus_padded_rows_generate_apart_and_a_rank_makes_as_many_c
     assert torch.equal(seq[:, :4], ids) and torch.equal(seq[:, 4:], torch.stack(alone))
 
 
+@pytest.mark.parametrize("where", ["call", "generation_config"])
+def test_rows_generated_without_their_padding_get_the_new_tokens_a_max_length_gives_the_batch(where):
+    """HF's ``max_length`` counts the prompt, padding included: a padded row of an actor whose outputs left padding
+    moves, generated without its padding, took the padding's place in new tokens (max_length 8, prompts padded to 4:
+    the 2-token prompt got 6, the batch 4), and the answers came back wider than max_length. Now each row gets the
+    batch's count, from the call's max_length or the model's generation_config's."""
+    from dschat.rlhf.trainer import hf_generate
+
+    model = tiny_rwkv()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    prompts = [[10, 11, 12, 13], [30, 31]]
+    ids, mask = _left_padded(prompts, 4)
+    call = dict(do_sample=False, pad_token_id=0)
+    if where == "call":
+        call["max_length"] = 8
+    else:
+        model.generation_config.max_length = 8
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(p):]
+                 for p in prompts]
+        seq = hf_generate(model, tokenizer)(ids, attention_mask=mask, **call)
+    assert seq.shape == (2, 8) and torch.equal(seq[:, 4:], torch.stack(alone)), seq.tolist()
+
+
 @pytest.mark.multirank
 def test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone(tmp_path):
     """Under ZeRO-3 on several ranks HF generate took the batch as it was (``synced_gpus``): RWKV's decode was mended

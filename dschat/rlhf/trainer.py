@@ -14,7 +14,8 @@ from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
 from dschat.hybrid_engine.decode import forward_spec, keeps_states_in_modules, reset_states_kept_in_modules
-from dschat.hybrid_engine.generate_args import check_left_padded, left_padded_lengths
+from dschat.hybrid_engine.generate_args import (check_left_padded, left_padded_lengths, merged_generation_config,
+                                                resolve_max_new_tokens, resolve_min_new_tokens)
 from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
 from dschat.hybrid_engine.tensor_parallel import together
 from dschat.models.attention import no_empty_query_rows
@@ -287,8 +288,9 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     """HF ``generate`` of a model whose outputs left padding moves (``LEFT_PADDING_MOVES_SCORES``: the mask does not
     reach its recurrence): each row generates as it would alone, from its prompt without the padding: the rows of one
     prompt length together where the family's batched decode keeps rows apart (``decodes_rows_apart``), else one row
-    at a time. The answers come back after the prompts as the caller gave them, right-padded with the pad id, as one
-    batched call returns them. Under ``synced_gpus`` (ZeRO-3 on several ranks) every rank makes as many calls
+    at a time, each getting the new tokens the batch gets (``with_the_batchs_new_token_counts``: a ``max_length``
+    counts the padding). The answers come back after the prompts as the caller gave them, right-padded with the pad
+    id, as one batched call returns them. Under ``synced_gpus`` (ZeRO-3 on several ranks) every rank makes as many calls
     (``generate_in_step_with_other_ranks``). Where the padding cannot be left out (a prompt with no token or a hole;
     no pad id) the batch generates as it is, said once, with RWKV's decode and xLSTM's cache mended all the same
     (``decodes_rows_apart``), so that its unpadded rows' answers are each row's own."""
@@ -300,6 +302,7 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
         warn_of_padded_generation(model, attention_mask)
         return generate_in_step_with_other_ranks(generate, [(input_ids, attention_mask)], synced, kwargs)[0]
     width = input_ids.shape[1]
+    kwargs = with_the_batchs_new_token_counts(model, kwargs, width)
     groups = rows_to_generate_together(lengths, together)
     calls = [(input_ids[rows, width - length:], attention_mask[rows, width - length:]) for rows, length in groups]
     outputs = generate_in_step_with_other_ranks(generate, calls, synced, kwargs)
@@ -309,6 +312,28 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     for rows, answer in answers:
         seq[rows, width:width + answer.shape[1]] = answer
     return seq
+
+
+def with_the_batchs_new_token_counts(model, kwargs, width):
+    """``kwargs`` for generating rows of a batch of ``width`` columns (padding included) without their padding: the
+    new-token counts HF gives the batch as passed, as ``max_new_tokens`` and (where a minimum is set)
+    ``min_new_tokens``, in place of HF's totals ``max_length`` and ``min_length`` (the call's, else its
+    ``generation_config``'s or the model's), which count the prompt: a row without its padding took the padding's
+    place in new tokens (max_length 8, a 4-column batch: a 2-token prompt got 6 new tokens, the batch 4) and the
+    answers came back wider than max_length. HF's default (20 new tokens, cut at the position limit) too."""
+    config = merged_generation_config(getattr(model, "generation_config", None), kwargs.get("generation_config"))
+
+    def setting(name):  # (the call's, else the generation_config's: HF's order)
+        value = kwargs.get(name)
+        return value if value is not None else getattr(config, name, None)
+
+    limit = getattr(model.config, "max_position_embeddings", None)
+    counts = {"max_new_tokens": resolve_max_new_tokens(setting("max_new_tokens"), setting("max_length"), width, None,
+                                                       limit if isinstance(limit, int) else None)}
+    if setting("min_new_tokens") is not None or setting("min_length") is not None:
+        counts["min_new_tokens"] = resolve_min_new_tokens(setting("min_new_tokens"), setting("min_length"), width,
+                                                          None)
+    return {**{k: v for k, v in kwargs.items() if k not in ("max_length", "min_length")}, **counts}
 
 
 def syncs_ranks(model, synced_gpus):
