@@ -295,3 +295,20 @@ def test_held_out_rows_are_scored_shifted_as_step_3s_rollouts(family, tokenizer)
         assert abs(shifted - masked) > 1e-2
     else:
         assert shifted == pytest.approx(masked, abs=1e-5)
+
+
+
+def test_a_held_out_evaluation_called_without_synced_gpus_leaves_it_to_hfs_default(tokenizer):
+    """evaluate_policy's ``synced_gpus`` defaulted to False: a user calling it on a ZeRO-3 model on several ranks hung
+    inside HF generate once one rank's answers ended first. Unsaid, it is None now: HF's own default (ZeRO-3 or FSDP
+    on several ranks) decides, as a plain ``generate`` call's would."""
+    said = []
+    answer = fake_generate(tokenizer(" ok ok", add_special_tokens=False)["input_ids"][:2])
+
+    def generate(prompt, synced_gpus="not passed", **kwargs):
+        said.append(synced_gpus)
+        return answer(prompt, **kwargs)
+
+    evaluate_policy(generate, SimpleNamespace(module=FakeReward()), tokenizer, rank_loader(prompts(2), 0, tokenizer),
+                    "cpu", 2)
+    assert said == [None]

@@ -25,10 +25,12 @@ def rule_scorer_for(data_path):
 
 
 @torch.no_grad()
-def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_token_id, synced_gpus=False):
+def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_token_id, synced_gpus=None):
     """Greedy answers (ids and masks) from a ``generate`` callable with HF's keyword arguments.
 
-    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all have finished (HF generate needs it).
+    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all have finished (HF generate needs it); None: HF's
+    default (ZeRO-3 or FSDP on several ranks), not False, which hangs a ZeRO-3 model on several ranks whose answers
+    end at different steps.
     """
     seq = generate(prompts, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, synced_gpus=synced_gpus)
@@ -38,7 +40,7 @@ def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_
 
 @torch.no_grad()
 def evaluate_policy(generate, reward_model, tokenizer, loader, device, max_new_tokens, rule_scorer=None,
-                    max_prompts=None, keep_examples=4, synced_gpus=False, pad_to_multiple_of=1, reward_fn=None,
+                    max_prompts=None, keep_examples=4, synced_gpus=None, pad_to_multiple_of=1, reward_fn=None,
                     eos_token_id=None, padded_forwards=False):
     """Mean reward-model score, rule score and ``--reward_fn`` score of greedy answers to the prompts of ``loader``
     (all ranks), and how many of the answers are empty (``empty_answers``: ended before any text; the means score
