@@ -3269,6 +3269,33 @@ def test_a_json_files_load_opens_it_for_its_hash_once_and_stats_it_for_none(tmp_
     assert source.fingerprint()["files"] == [[str(data), data.stat().st_size, local.file_digest(str(data))]]
 
 
+def test_a_json_file_written_while_it_is_checked_is_loaded_under_the_hash_of_what_is_read(tmp_path, monkeypatch):
+    """A JSON file's load hashed it once, before its check, and keyed its Arrow cache by that hash: a file written
+    while it was checked (a first check, no pass kept) had its new rows cached under its old content's name, and a
+    later load of the old content (its time kept, as datasets' own key has it) read the new rows. A file whose stamp
+    after its check is not the one it was hashed under is hashed again, and loaded under that hash."""
+    from dschat.data import local
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before: its hash kept)
+    data = tmp_path / "train.jsonl"
+    old, new = '{"prompt": "Hi?", "chosen": "Hello."}\n', '{"prompt": "Bye?", "chosen": "Goodbye."}\n'
+    data.write_text(old)
+    times = os.stat(data)
+
+    def write(text):
+        data.write_text(text)
+        os.utime(data, ns=(times.st_atime_ns, times.st_mtime_ns))  # (its time kept)
+
+    check = local.check_jsonl_lines
+    monkeypatch.setattr(local, "check_jsonl_lines", lambda path, *args: write(new) or check(path, *args))
+    assert local.load_file("jsonl", str(data))[0]["prompt"] == ["Bye?"]
+    monkeypatch.setattr(local, "check_jsonl_lines", check)
+    write(old)
+    local.forget_file_digests()  # (a later process)
+    assert local.load_file("jsonl", str(data))[0]["prompt"] == ["Hi?"]
+
+
 def _check_json_in_child(args):
     """Runs in a forked process: check the JSON Lines file ``path`` (``local.checked_json``) once both processes are
     ready, the check slowed and each one made written as a line to ``marker``; (record lines, key orders) back."""
@@ -3288,7 +3315,7 @@ def _check_json_in_child(args):
     local.check_jsonl_lines = slow_recorded_check
     barrier.wait()
     key_orders = local._KeyOrders()
-    lines = local.checked_json("jsonl", path, key_orders, local.file_digest(path))
+    lines, _ = local.checked_json("jsonl", path, key_orders, local.file_digest_and_stamp(path))
     return list(lines), key_orders.as_json()
 
 

@@ -1611,16 +1611,19 @@ def check_compression_read(kind, path, where=None):
 JSON_CHECK_MEMO_FOLDER, JSON_CHECK_VERSION = "dschat_json_checked", 1
 
 
-def checked_json(kind, path, key_orders, digest):
-    """``check_jsonl_lines`` (``kind`` "jsonl") or ``check_json_document`` ("json") of the file at ``path``, its
-    objects' key orders gathered into ``key_orders``; or, where that check passed for the same content before (of this
-    process or an earlier one), what it gave then, the file not read (its record lines read again only for an error
-    that names one: ``RecordLinesOnDemand``). A pass is kept only where later processes find the file's hash without
-    reading it (``shared_digest``: a hub blob, or a hash kept under the file's stamp), and that hash is still the one
-    the check was looked up by: a file written while it was checked keeps nothing. ``digest``: the file's
-    (``file_digest``: ``load_file``'s load's cache key too, found once). Processes checking a file that keeps its pass
-    at once (a node's ranks on a first run) take turns (``_memo_bucket_lock``): the first checks it, the others read
-    what it kept (or, where it failed, check it themselves: a bad file keeps nothing)."""
+def checked_json(kind, path, key_orders, hashed):
+    """(record lines, HashedFile): ``check_jsonl_lines`` (``kind`` "jsonl") or ``check_json_document`` ("json") of the
+    file at ``path``, its objects' key orders gathered into ``key_orders``; or, where that check passed for the same
+    content before (of this process or an earlier one), what it gave then, the file not read (its record lines read
+    again only for an error that names one: ``RecordLinesOnDemand``). A pass is kept only where later processes find
+    the file's hash without reading it (``shared_digest``: a hub blob, or a hash kept under the file's stamp), and that
+    hash is still the one the check was looked up by: a file written while it was checked keeps nothing, and is hashed
+    again (the HashedFile given back): ``load_file`` keys its load's Arrow cache by it, which, keyed by the hash found
+    before the check, cached the new content under the old content's name. ``hashed``: the file's
+    (``file_digest_and_stamp``: ``load_file``'s load's cache key too, found once). Processes checking a file that keeps
+    its pass at once (a node's ranks on a first run) take turns (``_memo_bucket_lock``): the first checks it, the
+    others read what it kept (or, where it failed, check it themselves: a bad file keeps nothing)."""
+    digest = hashed.sha256
     memo = _json_check_memo_path(kind, path, digest)
     kept = _kept_json_check(memo)
     if kept is None:
@@ -1629,11 +1632,14 @@ def checked_json(kind, path, key_orders, digest):
             kept = _kept_json_check(memo)  # (kept by another process while this one waited)
             if kept is None:
                 record_lines = (check_jsonl_lines if kind == "jsonl" else check_json_document)(path, key_orders)
-                if (shared := shared_digest(path)).sha256 == digest:  # (its stamp now: the kept pass's, no stat)
+                shared = shared_digest(path)  # (its stamp now: the kept pass's, no stat)
+                if shared.stamp != hashed.stamp:  # (written since it was hashed: the hash is of other content)
+                    return record_lines, file_digest_and_stamp(path)
+                if shared.sha256 == digest:
                     _keep_json_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
-                return record_lines
+                return record_lines, hashed
     key_orders.add_kept(kept["key_orders"])
-    return _record_lines_kept(kept["lines"], path)
+    return _record_lines_kept(kept["lines"], path), hashed
 
 
 def _json_check_memo_path(kind, path, digest):
@@ -1751,8 +1757,9 @@ def load_file(kind, path):
     record_lines = header = digest = None
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind in ("json", "jsonl"):
-        digest = file_digest(path)  # (its check's key and its load's: found once)
-        record_lines = checked_json(kind, path, key_orders, digest)
+        # (its check's key and its load's: found once, again only where the file was written while it was checked)
+        record_lines, hashed = checked_json(kind, path, key_orders, file_digest_and_stamp(path))
+        digest = hashed.sha256
     elif kind == "csv":
         header, record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
