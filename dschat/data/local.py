@@ -428,8 +428,8 @@ class LocalSource:
         for path in self.files:
             for file in all_files(path):
                 file = os.path.abspath(file)
-                digest, stamp = file_digest_and_stamp(file)  # (its size from the stamp hashed under: no stat more)
-                stats.append([file, stamp.size if stamp else os.stat(file).st_size, digest])
+                hashed = file_digest_and_stamp(file)  # (its size from the stamp hashed under: no stat more)
+                stats.append([file, hashed.stamp.size if hashed.stamp else os.stat(file).st_size, hashed.sha256])
         return {"kind": self.kind, "files": stats, **({"eval_kind": self.eval_kind} if self.eval_kind else {})}
 
 
@@ -440,10 +440,12 @@ def file_digest(path):
     return file_digest_and_stamp(path).sha256
 
 
-class HashedFile(collections.namedtuple("HashedFile", "sha256 stamp")):
+class HashedFile(collections.namedtuple("HashedFile", "sha256 stamp head", defaults=(None,))):
     """A file's sha256 and the stamp (``FileStamp``) of the file open when it was found, None where the file was not
     opened (a hub blob, named by its hash): what the stamp says (its size, that the file is not written since) needs
-    no other stat or open of it."""
+    no other stat or open of it. ``head``: its first HEAD_BYTES, read in that open (None where not read), so a load
+    tells its compression and text encoding by them (``compressed_with``, ``text_encoding``), not by opens of its
+    own."""
 
 
 def file_digest_and_stamp(path):
@@ -510,8 +512,10 @@ def _digest_of_open_file(f, path):
     back: an edited file has another stamp, and is read. A file written while it was read keeps nothing, nor one on a
     file system not known to keep a real change time (``_keeps_change_time``). Processes hashing the same file at once
     (a node's ranks on a first run) take turns (``_memo_bucket_lock``): the first hashes it, the others read its hash.
-    A HashedFile: with the stamp it was hashed under."""
+    A HashedFile: with the stamp it was hashed under, and its first bytes."""
     stamp = _stat_stamp(os.fstat(f.fileno()))
+    head = f.read(HEAD_BYTES)
+    f.seek(0)
     keeps = _keeps_change_time(f.fileno())
     if (digest := _DIGESTS.get((path, stamp)) or (_kept_digest(path, stamp) if keeps else None)) is None:
         with _memo_bucket_lock(_digest_memo_path(path, stamp)) if keeps else contextlib.nullcontext():
@@ -519,11 +523,11 @@ def _digest_of_open_file(f, path):
                 hashed_at = time.time_ns()
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
                 if _stat_stamp(os.fstat(f.fileno())) != stamp:  # (what was read is of neither stamp)
-                    return HashedFile(digest, stamp)
+                    return HashedFile(digest, stamp, head)
                 if keeps and stamp.ctime_ns < hashed_at - RACY_WINDOW_NS:
                     _keep_digest(path, stamp, digest)
     _DIGESTS[path, stamp] = digest
-    return HashedFile(digest, stamp)
+    return HashedFile(digest, stamp, head)
 
 
 @contextlib.contextmanager
@@ -923,6 +927,7 @@ COMPRESSED_EXTENSIONS = {compression.extension: tool for tool, compression in CO
 # the extension that names each compression of JSON dschat reads decompressed: gzip's .gz
 PACKED_JSON_EXTENSIONS = {tool: compression.extension for tool, compression in COMPRESSIONS.items()
                           if compression.module}
+HEAD_BYTES = 10  # (the first bytes read of a file: bzip2's magic, the longest, and a UTF-8 byte-order mark's 3)
 # the modules that undo them, by the file's extension (``open_data_file``)
 DECOMPRESSORS = {compression.extension: compression.module for compression in COMPRESSIONS.values()
                  if compression.module}
@@ -1267,11 +1272,14 @@ def plain_file_command(path, held):
     return decompress_command(path, held)
 
 
-def text_encoding(path):
+def text_encoding(path, head=None):
     """"utf-8-sig" for a file whose text starts with a UTF-8 byte-order mark (Windows editors write one), else
-    "utf-8": the mark is not part of the first record. (A compressed file's text: ``open_data_file``.)"""
-    with open_data_file(path) as f:
-        return "utf-8-sig" if f.read(3) == b"\xef\xbb\xbf" else "utf-8"
+    "utf-8": the mark is not part of the first record. (A compressed file's text: ``open_data_file``.) ``head``: the
+    file's first bytes where read already (``HashedFile.head``): a file not named compressed, its text's."""
+    if head is None or data_file_extensions(path)[1]:
+        with open_data_file(path) as f:
+            head = f.read(3)
+    return "utf-8-sig" if head.startswith(b"\xef\xbb\xbf") else "utf-8"
 
 
 def holds_no_bytes(path):
@@ -1356,15 +1364,16 @@ def _first_inside(value, find):
     return next((found for found in (_first_inside(child, find) for child in children) if found is not None), None)
 
 
-def check_jsonl_lines(path, key_orders=None):
+def check_jsonl_lines(path, key_orders=None, encoding=None):
     """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line. Where given,
-    ``key_orders`` (a ``_KeyOrders``) gathers the order of its objects' keys in the same parse.
+    ``key_orders`` (a ``_KeyOrders``) gathers the order of its objects' keys in the same parse; ``encoding``, its
+    ``text_encoding`` where found already.
 
     datasets/pyarrow report a malformed line without its number, so the file is checked here first.
     """
     record_lines, keys, constants = [], _KeysWrittenTwice(), _NotJsonNumbers()
     try:
-        for line_number, line in record_text_lines(path):
+        for line_number, line in record_text_lines(path, encoding):
             # a JSON array given as JSON Lines fails on its first line: said how to give it
             array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
                 line.lstrip().startswith("[") else ""
@@ -1387,10 +1396,11 @@ def check_jsonl_lines(path, key_orders=None):
     return compact_lines(record_lines)
 
 
-def record_text_lines(path):
+def record_text_lines(path, encoding=None):
     """(line number, line) of each line of a JSON Lines file's text that is not blank, numbered (from 1) as its check
-    and its errors number them (a compressed file's text: ``open_data_file``)."""
-    with open_data_file(path, text_encoding(path)) as f:
+    and its errors number them (a compressed file's text: ``open_data_file``; ``encoding``: ``text_encoding``'s where
+    found already)."""
+    with open_data_file(path, encoding or text_encoding(path)) as f:
         for line_number, line in enumerate(f, start=1):
             if line.strip():
                 yield line_number, line
@@ -1426,14 +1436,16 @@ def not_utf8_error(path):
     return DatasetFormatError(f"{path}: not UTF-8 text; save the file as UTF-8")
 
 
-def check_json_document(path, key_orders=None):
+def check_json_document(path, key_orders=None, encoding=None):
     """A .json file must be one JSON array of objects (None returned) or JSON Lines (its record lines returned, as
     ``check_jsonl_lines``); DatasetFormatError with the line of a syntax error. Where given, ``key_orders`` (a
-    ``_KeyOrders``) gathers the order of its objects' keys in the same parse."""
+    ``_KeyOrders``) gathers the order of its objects' keys in the same parse; ``encoding``, its ``text_encoding``
+    where found already."""
+    encoding = encoding or text_encoding(path)
     try:
-        if _starts_as_json_lines(path):
-            return check_jsonl_lines(path, key_orders)
-        with open_data_file(path, text_encoding(path)) as f:
+        if _starts_as_json_lines(path, encoding):
+            return check_jsonl_lines(path, key_orders, encoding)
+        with open_data_file(path, encoding) as f:
             text = f.read()
     except UnicodeDecodeError:
         raise not_utf8_error(path) from None
@@ -1444,7 +1456,7 @@ def check_json_document(path, key_orders=None):
         document = json.loads(text, object_pairs_hook=keys.hook, parse_constant=constants.parse)
     except json.JSONDecodeError as err:
         if _is_json_lines(text):
-            return check_jsonl_lines(path, key_orders)
+            return check_jsonl_lines(path, key_orders, encoding)
         raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
     keys_of_records = _records_keys(document)
     key = keys_of_records[0] if keys_of_records else None
@@ -1462,7 +1474,7 @@ def check_json_document(path, key_orders=None):
                                  f"the list under {key!r}, give a file that is that list (or JSON Lines); one record? "
                                  "put it in a JSON array, [...]")
     if isinstance(document, dict) and "\n" not in text.strip():  # JSON Lines of one record, as datasets reads it
-        return check_jsonl_lines(path, key_orders)
+        return check_jsonl_lines(path, key_orders, encoding)
     if not isinstance(document, list):
         one = " (one record? put it in a JSON array, [...])" if isinstance(document, dict) else ""
         raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}{one}")
@@ -1479,12 +1491,13 @@ def check_json_document(path, key_orders=None):
     return None
 
 
-def _starts_as_json_lines(path):
+def _starts_as_json_lines(path, encoding=None):
     """Whether a .json file is JSON Lines by its start: a first line that is a whole JSON object, with more text on the
     lines after it, is no one JSON document, and ``check_json_document`` checks it as JSON Lines, as it did once it
     had read the whole text (allenai/c4's shards, ~800 MB decompressed) and failed to parse it. Only the first line,
-    and the blank ones before and after it, are read (a file that starts otherwise, its first character alone)."""
-    with open_data_file(path, text_encoding(path)) as f:
+    and the blank ones before and after it, are read (a file that starts otherwise, its first character alone).
+    ``encoding``: ``text_encoding``'s where found already."""
+    with open_data_file(path, encoding or text_encoding(path)) as f:
         start = f.read(1)
         while start.isspace():
             start = f.read(1)
@@ -1586,20 +1599,23 @@ def check_folder_not_compressed(folder, where=None):
                              "the folder again")
 
 
-def compressed_with(path):
-    """The tool that compressed the file at ``path`` (``COMPRESSIONS``: told by its first bytes), else None."""
-    with open(path, "rb") as f:
-        start = f.read(10)
-    return next((tool for tool, compression in COMPRESSIONS.items() if re.match(compression.magic, start)), None)
+def compressed_with(path, head=None):
+    """The tool that compressed the file at ``path`` (``COMPRESSIONS``: told by its first HEAD_BYTES, ``head`` where
+    read already: ``HashedFile.head``), else None."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    return next((tool for tool, compression in COMPRESSIONS.items() if re.match(compression.magic, head)), None)
 
 
-def check_compression_read(kind, path, where=None):
+def check_compression_read(kind, path, where=None, head=None):
     """A data file of ``kind`` compressed otherwise than as JSON named so (``PACKED_JSON``: train.jsonl.gz, read
     decompressed, ``open_data_file``) is an error saying so (``compressed_error``): read as text it was 'not UTF-8
-    text ... save the file as UTF-8'. ``where``: how the error names ``path``."""
+    text ... save the file as UTF-8'. ``where``: how the error names ``path``; ``head``: its first bytes where read
+    already (``compressed_with``)."""
     if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
         return
-    tool = compressed_with(path)
+    tool = compressed_with(path, head)
     if tool:
         raise compressed_error(path, tool, where, kind)
 
@@ -1631,7 +1647,8 @@ def checked_json(kind, path, key_orders, hashed):
         with _memo_bucket_lock(memo) if shared_digest(path).sha256 == digest else contextlib.nullcontext():
             kept = _kept_json_check(memo)  # (kept by another process while this one waited)
             if kept is None:
-                record_lines = (check_jsonl_lines if kind == "jsonl" else check_json_document)(path, key_orders)
+                check = check_jsonl_lines if kind == "jsonl" else check_json_document
+                record_lines = check(path, key_orders, text_encoding(path, hashed.head))
                 shared = shared_digest(path)  # (its stamp now: the kept pass's, no stat)
                 if shared.stamp != hashed.stamp:  # (written since it was hashed: the hash is of other content)
                     return record_lines, file_digest_and_stamp(path)
@@ -1753,13 +1770,14 @@ def load_file(kind, path):
     compressed (x.jsonl.gz, a hub download's SUBSET/train.jsonl.gz), checked as it is decompressed, a line at a time
     (``open_data_file``), as a plain one is, then read by datasets' json loader, which decompresses it too. A JSON
     file's check that passed for its content before is not made again (``checked_json``)."""
-    check_compression_read(kind, path)
-    record_lines = header = digest = None
+    record_lines = header = None
+    # (a JSON file's check's key and its load's: found once, again only where the file was written while it was
+    # checked; its first bytes read in the same open)
+    hashed = file_digest_and_stamp(path) if kind in ("json", "jsonl") else HashedFile(None, None)
+    check_compression_read(kind, path, head=hashed.head)
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind in ("json", "jsonl"):
-        # (its check's key and its load's: found once, again only where the file was written while it was checked)
-        record_lines, hashed = checked_json(kind, path, key_orders, file_digest_and_stamp(path))
-        digest = hashed.sha256
+        record_lines, hashed = checked_json(kind, path, key_orders, hashed)
     elif kind == "csv":
         header, record_lines = csv_record_lines(path)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
@@ -1768,8 +1786,8 @@ def load_file(kind, path):
         raise DatasetFormatError(f"{path}: no records ({_why_no_records(kind, path)})")
     try:
         options = _csv_options(path, header) if kind == "csv" else \
-            {"encoding": text_encoding(path)} if builder == "json" else {}
-        data = load_content_keyed(builder, path, digest, **options)
+            {"encoding": text_encoding(path, hashed.head)} if builder == "json" else {}
+        data = load_content_keyed(builder, path, hashed.sha256, **options)
     except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
         if kind == "csv" and caused_by(err, UnicodeDecodeError):
             raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
