@@ -314,9 +314,9 @@ def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_un
 
     asked = []
 
-    def ranks_agree_on(meeting, flags, device, group):  # another rank's arguments were refused, its parameters not
+    def ranks_agree_on(meeting, flags, device, group):  # rank 1's arguments were refused, its parameters not
         asked.append((meeting, tuple(flags), group))
-        return [False, *flags[1:]]
+        return [1, *[None] * (len(flags) - 1)]
 
     monkeypatch.setattr(hybrid, "_world_size", lambda: 4)
     monkeypatch.setattr(hybrid, "_ranks_agree_on", ranks_agree_on)
@@ -343,6 +343,54 @@ def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_un
     assert asked == []
 
 
+def _agreed_on_two_ranks(monkeypatch, flags_by_rank, meeting="generate()'s weight check"):
+    """What ``_ranks_agree_on`` returns on each of two ranks (threads) whose flags are ``flags_by_rank``, through an
+    all-reduce faked as the MIN of both ranks' tensors."""
+    import threading
+
+    import torch.distributed as dist
+
+    from dschat.hybrid_engine import engine as hybrid
+
+    barrier, sent, where = threading.Barrier(2, timeout=30), {}, threading.local()
+
+    def all_reduce(t, op, group=None):
+        assert op == dist.ReduceOp.MIN and group is None and t.dtype == torch.int32 and t.shape == (4,), (op, t)
+        sent[where.rank] = t.clone()
+        barrier.wait()
+        torch.minimum(sent[0], sent[1], out=t)
+        barrier.wait()  # (before either rank's next reduce overwrites what it sent)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: where.rank)
+    agreed = {}
+
+    def rank(number):
+        where.rank = number
+        agreed[number] = hybrid._ranks_agree_on(meeting, flags_by_rank[number], "cpu")
+
+    threads = [threading.Thread(target=rank, args=(number,)) for number in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return agreed[0], agreed[1]
+
+
+def test_ranks_agree_on_each_flag_naming_the_lowest_rank_where_it_is_unset(monkeypatch):
+    """Each rank learns, for each flag, the lowest global rank where it is unset (None where it is set on every
+    rank): a rank whose parameters are in place says which rank's were replaced (its error names the parameter),
+    where it only learned that some rank's were. Still one int32 all-reduce of the same size in every meeting (2 ranks
+    simulated by threads; the flags: copy fresh, parameters in place)."""
+    for flags, expected in (([(True, True), (True, False)], [None, 1]),  # rank 1's parameter replaced
+                            ([(False, True), (True, True)], [0, None]),  # rank 0's copy stale
+                            ([(False, False), (True, False)], [0, 0]),  # both replaced: the lowest
+                            ([(True, True), (True, True)], [None, None])):
+        assert _agreed_on_two_ranks(monkeypatch, flags) == (expected, expected), flags
+    # a meeting with one flag reduces as many (the rest set): still None or a rank for its own flag alone
+    assert _agreed_on_two_ranks(monkeypatch, [(True,), (False,)], meeting="train()") == ([1], [1])
+
+
 def test_in_a_tensor_parallel_group_the_rank_with_a_replaced_parameter_names_it_before_its_argument_error(
         monkeypatch):
     """ZeRO 0-2, a tensor-parallel group: the ranks agree on module surgery in generate's argument all-reduce. A rank
@@ -355,7 +403,8 @@ def test_in_a_tensor_parallel_group_the_rank_with_a_replaced_parameter_names_it_
     from dschat.hybrid_engine import engine as hybrid
 
     monkeypatch.setattr(hybrid, "_world_size", lambda: 2)
-    monkeypatch.setattr(hybrid, "_ranks_agree_on", lambda meeting, flags, device, group: [False, False])
+    # rank 1 refused its arguments and a parameter was replaced there (and on this rank too where it names one)
+    monkeypatch.setattr(hybrid, "_ranks_agree_on", lambda meeting, flags, device, group: [1, 1])
 
     def rank(replaced):
         return SimpleNamespace(tp=SimpleNamespace(group="the tp group"),
@@ -369,7 +418,8 @@ def test_in_a_tensor_parallel_group_the_rank_with_a_replaced_parameter_names_it_
     with pytest.raises(ValueError, match="this rank's prompt is too long"):
         with hybrid.HybridEngine._failing_together(rank(None), "cpu"):
             raise ValueError("this rank's prompt is too long")
-    with pytest.raises(RuntimeError, match=r"on another rank, a parameter of the actor \(its error names it\)"):
+    with pytest.raises(RuntimeError, match=r"on another rank, rank 1 \(the lowest if several\), a parameter of the "
+                                           r"actor \(its error names it\)"):
         with hybrid.HybridEngine._failing_together(rank(None), "cpu"):
             pass
 
@@ -395,9 +445,9 @@ def test_the_train_phase_begins_with_one_meeting_on_module_surgery_of_the_ranks_
 
     asked = []
 
-    def ranks_agree_on(meeting, flags, device, group=None):  # another rank's parameter was replaced
+    def ranks_agree_on(meeting, flags, device, group=None):  # rank 1's parameter was replaced
         asked.append((meeting, tuple(flags), group))
-        return [False]
+        return [1]
 
     monkeypatch.setattr(hybrid, "_world_size", lambda: 2)
     monkeypatch.setattr(hybrid, "_ranks_agree_on", ranks_agree_on)
@@ -414,10 +464,10 @@ def test_the_train_phase_begins_with_one_meeting_on_module_surgery_of_the_ranks_
         return fake
 
     fake = rank(stage, tp)
-    with pytest.raises(RuntimeError, match=r"on another rank, a parameter of the actor \(its error names it\)"):
+    with pytest.raises(RuntimeError, match=r"on another rank, rank 1 \(the lowest if several\), a parameter"):
         hybrid.HybridEngine.train(fake)
     assert asked == [("train()", (True,), TRAIN_MEETINGS[stage, tp])] and fake.modes == []  # (before training mode)
-    monkeypatch.setattr(hybrid, "_ranks_agree_on", lambda *args: asked.append(args) or [True])
+    monkeypatch.setattr(hybrid, "_ranks_agree_on", lambda *args: asked.append(args) or [None])
     for _ in range(3):  # one phase: DeepSpeed-Chat's train() before each micro-batch
         hybrid.HybridEngine.train(fake)
     assert len(asked) == 2 and fake.modes == [True] * 3

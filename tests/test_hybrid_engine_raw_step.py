@@ -327,14 +327,15 @@ def test_under_zero3_on_several_ranks_surgery_on_another_rank_alone_stops_this_r
     refreshes = engine.inference_weights.refresh_count
     asked = []
 
-    def ranks_agree_on(meeting, flags, device, group=None):  # the other rank's parameters are not in place
+    def ranks_agree_on(meeting, flags, device, group=None):  # rank 1's parameters are not in place (this is rank 0)
         asked.append((meeting, tuple(flags)))
-        return [*flags[:-1], False] if meeting != "generate()" else list(flags)
+        mine = [None if flag else 0 for flag in flags]
+        return [*mine[:-1], 1] if meeting != "generate()" else mine
 
     monkeypatch.setattr(engine_module, "_world_size", lambda: 2)
     monkeypatch.setattr(engine_module, "_ranks_agree_on", ranks_agree_on)
     engine.mark_weights_stale()  # (nothing is gathered once the ranks know)
-    message = r"on another rank, a parameter of the actor \(its error names it\) is no longer the one DeepSpeed's"
+    message = r"on another rank, rank 1 \(the lowest if several\), a parameter of the actor \(its error names it\)"
     with pytest.raises(RuntimeError, match=message):
         engine.eval()
     with pytest.raises(RuntimeError, match=message):
@@ -357,9 +358,9 @@ def test_under_zero3_on_several_ranks_a_copy_stale_on_another_rank_alone_is_refr
     assert weights.refresh_count == 1
     answers = []  # what the other rank answers: its arguments are fine (the first question), its copy is stale
 
-    def ranks_agree_on(meeting, flags, device, group=None):
+    def ranks_agree_on(meeting, flags, device, group=None):  # (this is rank 0, the other rank 1)
         first, *rest = flags  # (the weight check's second flag, its parameters in place, as this rank's)
-        return [first and answers.pop(0), *rest]
+        return [None if first and answers.pop(0) else 1, *(None if flag else 0 for flag in rest)]
 
     monkeypatch.setattr(engine_module, "_world_size", lambda: 2)
     monkeypatch.setattr(engine_module, "_ranks_agree_on", ranks_agree_on)

@@ -71,18 +71,23 @@ _MEETINGS = ("eval()", "generate()", "generate()'s weight check", "train()")
 # tensor-parallel group without ZeRO-3 (arguments accepted, parameters in place)
 _AGREED_FLAGS = 2
 
+# what a rank whose flag is set reduces: above any rank, so the MIN is the lowest rank whose flag is unset
+_NO_RANK = torch.iinfo(torch.int32).max
+
 
 def _ranks_agree_on(meeting, flags, device, group=None):
-    """Whether each of ``flags`` is set on every rank of ``group`` (default: the world), in one all-reduce that also
+    """For each of ``flags``: None where it is set on every rank of ``group`` (default: the world), else the lowest
+    global rank where it is not (so a rank's error can say which rank to look at), in one all-reduce that also
     compares the ranks' ``meeting`` (one of ``_MEETINGS``): ranks in different ones all raise the same error. Every
     meeting reduces as many flags (the rest set), so ranks in different meetings still reduce tensors of one size,
     and learn it."""
     code = _MEETINGS.index(meeting) + 1
-    padded = [*(1 if flag else 0 for flag in flags), *[1] * (_AGREED_FLAGS - len(flags))]
+    rank = dist.get_rank()
+    padded = [*(_NO_RANK if flag else rank for flag in flags), *[_NO_RANK] * (_AGREED_FLAGS - len(flags))]
     t = torch.tensor([*padded, code, -code], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    *agreed, lowest, highest = t.tolist()  # (one copy to the host)
-    agreed, highest = agreed[:len(flags)], -highest
+    *unset_on, lowest, highest = t.tolist()  # (one copy to the host)
+    unset_on, highest = unset_on[:len(flags)], -highest
     if lowest != highest:
         other = _MEETINGS[(highest if lowest == code else lowest) - 1]
         raise RuntimeError(f"hybrid engine: the ranks are out of step: this rank is in {meeting} while another is in "
@@ -92,17 +97,18 @@ def _ranks_agree_on(meeting, flags, device, group=None):
                            "them together, in the same order, each with its own prompts. A call on some ranks alone (a "
                            "sample generated under `if rank == 0:`) pairs with the other ranks' next call, or waits "
                            "for ever where they make none: generate on every rank, print on rank 0")
-    return [bool(flag) for flag in agreed]
+    return [None if unset == _NO_RANK else unset for unset in unset_on]
 
 
-def _refuse_replaced(name, cause=None):
+def _refuse_replaced(name, cause=None, on_rank=None):
     """A parameter of the actor, or a module on the way to one, replaced since the engine was built (module surgery
     after ``deepspeed.initialize``: ``ParameterPlaces``) is an error: DeepSpeed's optimizer would go on training the old
     parameters and an inference copy would generate from them. ``name``: the one replaced on this rank, or None where
     another rank's was (under ZeRO-3, and in an inference tensor-parallel group, the ranks agree on it, and all
-    stop). ``cause``: this rank's own refusal of the call's arguments, raised with it."""
+    stop): ``on_rank``, the lowest global rank where one was (``_ranks_agree_on``), whose log holds the named error.
+    ``cause``: this rank's own refusal of the call's arguments, raised with it."""
     where = f"the actor's {name!r} is" if name is not None else \
-        "on another rank, a parameter of the actor (its error names it) is"
+        f"on another rank, rank {on_rank} (the lowest if several), a parameter of the actor (its error names it) is"
     raise RuntimeError(
         f"hybrid engine: {where} no longer the one DeepSpeed's optimizer and this engine were "
         "built with: it was replaced (load_state_dict(assign=True) into a submodule, resize_token_embeddings, "
@@ -362,15 +368,15 @@ class HybridEngine:
         if is_released(self):
             return
         replaced = self._parameter_places.replaced()
-        in_place = True
+        replaced_on = None
         if _zero3_world(self._engine):
-            in_place, = _ranks_agree_on("train()", [replaced is None], self._engine.device)
+            replaced_on, = _ranks_agree_on("train()", [replaced is None], self._engine.device)
         elif self.tp is not None:
-            in_place, = _ranks_agree_on("train()", [replaced is None], self._engine.device, self.tp.group)
+            replaced_on, = _ranks_agree_on("train()", [replaced is None], self._engine.device, self.tp.group)
         if replaced is not None:
             _refuse_replaced(replaced)
-        if not in_place:
-            _refuse_replaced(None)
+        if replaced_on is not None:
+            _refuse_replaced(None, on_rank=replaced_on)
 
     def _end_train_phase(self, now):
         if self._train_start is not None and self._iteration is not None:
@@ -454,11 +460,11 @@ class HybridEngine:
             # modifier_rank=0, or a mark_weights_stale there) refreshes every rank's copy; surgery on one rank alone
             # stops every rank here (raised on that rank alone, it left the others in the gather)
             replaced = self._parameter_places.replaced()
-            fresh, in_place = _ranks_agree_on(meeting, (not self.inference_weights.is_stale, replaced is None),
-                                              self._engine.device)
-            if not in_place:
-                _refuse_replaced(replaced)
-            if not fresh:
+            stale_on, replaced_on = _ranks_agree_on(meeting, (not self.inference_weights.is_stale, replaced is None),
+                                                    self._engine.device)
+            if replaced_on is not None:
+                _refuse_replaced(replaced, on_rank=replaced_on)
+            if stale_on is not None:
                 self.inference_weights.mark_stale()
         elif self.tp is None:
             replaced = self._parameter_places.replaced()
@@ -660,12 +666,13 @@ class HybridEngine:
             # (under ZeRO-3 the weight check agrees on surgery, at eval() too: _refresh_weights)
             replaced = None if zero3 else self._parameter_places.replaced()
             flags = [error is None] if zero3 else [error is None, replaced is None]
-            accepted, *in_place = _ranks_agree_on("generate()", flags, device, group)
+            refused_on, *replaced_on = _ranks_agree_on("generate()", flags, device, group)
             if replaced is not None:  # before this rank's own argument error: the others' errors say this one names it
                 _refuse_replaced(replaced, cause=error)
-            if error is None and not all(in_place):
-                _refuse_replaced(None)
-            if not accepted and error is None:
+            replaced_elsewhere = [rank for rank in replaced_on if rank is not None]
+            if error is None and replaced_elsewhere:
+                _refuse_replaced(None, on_rank=replaced_elsewhere[0])
+            if refused_on is not None and error is None:
                 raise ValueError("generate: another rank refused its arguments (its error says why); every rank "
                                  "that generates with it stops too")
         if error is not None:

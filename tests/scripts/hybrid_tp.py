@@ -16,9 +16,9 @@ all-queries-then-keys-then-values c_attn; Phi-3's packed qkv_proj and gate_up_pr
 Run by tests/test_hybrid_engine_tp.py through the deepspeed launcher, several (stage, families) runs in one launch
 (the launcher and the ranks' start take ~20 s each time):  hybrid_tp.py --runs 0:llama,opt 3:llama
 With ``--release``, first: releasing an engine destroys its group's process group, and an engine built afterwards works.
-With ``--surgery``: a parameter replaced on rank 0 alone stops both ranks' generate, rank 0's error naming it (also
-where rank 0's arguments are refused in the same call), and both ranks' train() with no generate before it; a generate
-on rank 0 alone is caught at rank 1's next train().
+With ``--surgery``: a parameter replaced on rank 0 alone stops both ranks' generate, rank 0's error naming it, rank 1's
+naming rank 0 (also where rank 0's arguments are refused in the same call), and both ranks' train() with no generate
+before it; a generate on rank 0 alone is caught at rank 1's next train().
 With ``--recurrent-gemma``: RecurrentGemma's rows of each prompt length generate together across the group, as alone.
 """
 import argparse
@@ -431,7 +431,7 @@ def check_lone_generate_meets_the_others_train(engine, ids, mask, rank):
 
 def check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank):
     """Rank 0, whose parameter is replaced, also asks for too many tokens (past max_out_tokens=64) in the same call:
-    rank 1 says that the other rank's error names the replaced parameter, so rank 0's must name it (it raised its
+    rank 1 says that rank 0's error names the replaced parameter, so rank 0's must name it (it raised its
     argument error alone, and no rank's error named the parameter); the argument error is its cause."""
     try:
         engine.generate(ids, attention_mask=mask, max_new_tokens=100 if rank == 0 else MAX_NEW)
@@ -444,7 +444,8 @@ def check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank
         assert "'model.layers.1.self_attn.o_proj.weight'" in message, message
         assert "exceeds hybrid_engine.max_out_tokens=64" in str(cause), cause
     else:
-        assert "on another rank, a parameter of the actor (its error names it)" in message, message
+        assert "on another rank, rank 0 (the lowest if several), a parameter of the actor (its error names it)" \
+            in message, message
     print(f"rank {rank} surgery with arguments refused on rank 0: named", flush=True)
 
 

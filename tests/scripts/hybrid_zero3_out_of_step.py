@@ -11,7 +11,8 @@
    both ranks' eval() raise, and with the parameter put back both generate in step.
 4. The same replacement on rank 0, then train() with no eval() or generate: train() met no other rank, so neither
    refused (rank 0's optimizer trained the old parameter); the train() that begins a train phase is a meeting of the
-   world now: both ranks raise there, rank 0 naming the parameter; put back, both train a step in step.
+   world now: both ranks raise there, rank 0 naming the parameter, rank 1 naming rank 0 (where to look); put back,
+   both train a step in step.
 5. A sample generated on rank 0 alone (eval() + generate under ``if rank == 0:``) made a rollout's meetings and met
    rank 1's next rollout; rank 0's own rollout then waited for ever. Its eval() meets rank 1's train() now: both stop,
    each saying which call it is in.
