@@ -3382,3 +3382,31 @@ def test_a_splits_records_that_passed_are_not_read_again_for_the_same_content_an
     write_records(records[:10], tmp_path / "data" / "train.jsonl", "jsonl")
     assert [walked_in_a_new_process(train) for _ in range(2)] == [10, 10]
 
+
+
+def test_a_splits_records_pass_is_kept_by_the_content_it_loaded_not_by_a_write_during_the_load(tmp_path, monkeypatch):
+    """A split's records' pass was kept by the hashes of its files taken after the load (the eval split's after the
+    train split's walk, seconds to minutes of it): an eval file written meanwhile kept the pass of the records loaded
+    before the write under the new content's hash, and the next run took the new records, a bad one among them, as
+    passed, unread. The pass is kept by the hashes the files were loaded by; a file written since keeps none."""
+    from dschat.data import local
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    (tmp_path / "data").mkdir()
+    train = write_records(RECORDS, tmp_path / "data" / "train.jsonl", "jsonl")
+    test = write_records(RECORDS[:5], tmp_path / "data" / "test.jsonl", "jsonl")
+    validate = local.LocalDataset._validate
+
+    def eval_file_written_during_the_train_walk(self, data, path, record_lines):
+        validate(self, data, path, record_lines)
+        if path == train:
+            write_records(RECORDS[:4] + [{**RECORDS[4], "chosen": 5}], tmp_path / "data" / "test.jsonl", "jsonl")
+
+    monkeypatch.setattr(local.LocalDataset, "_validate", eval_file_written_during_the_train_walk)
+    local.forget_file_digests()
+    raw(str(tmp_path / "data"), tmp_path / "run1")  # (its eval split loaded before the write: it passes)
+    monkeypatch.setattr(local.LocalDataset, "_validate", validate)
+    local.forget_file_digests()
+    with pytest.raises(DatasetFormatError, match=rf"{re.escape(test)} line 5 \(record 4\): .*'chosen'"):
+        raw(str(tmp_path / "data"), tmp_path / "run2")

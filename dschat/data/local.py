@@ -1715,25 +1715,34 @@ def _keep_json_check(memo, path, stamp, kept):
 RECORDS_CHECK_MEMO_FOLDER = "dschat_records_checked"
 
 
-def _records_check_memo(kind, paths, settings):
-    """Where the pass of ``LocalDataset._validate`` over the records of the files ``paths`` of ``kind``, read by a
-    reader of ``settings`` (JSON), is kept; None for a save_to_disk folder (not a file hashed) or no files."""
-    if kind == "disk" or not paths:
+def _records_check_memo(kind, digests, settings):
+    """Where the pass of ``LocalDataset._validate`` over the records of files of ``kind`` loaded by the sha256s
+    ``digests`` (``_split_digests``), read by a reader of ``settings`` (JSON), is kept; None for a save_to_disk folder
+    (not a file hashed) or no files."""
+    if kind == "disk" or not digests:
         return None
     import datasets
     import pyarrow
 
-    key = json.dumps([_data_code_digest(), datasets.__version__, pyarrow.__version__, kind,
-                      [file_digest(path) for path in paths], settings], sort_keys=True, default=repr)
+    key = json.dumps([_data_code_digest(), datasets.__version__, pyarrow.__version__, kind, digests, settings],
+                     sort_keys=True, default=repr)
     name = hashlib.sha256(key.encode()).hexdigest()
     return os.path.join(_datasets_cache_folder(RECORDS_CHECK_MEMO_FOLDER), name[:2], name)
 
 
-def _hashes_shared(paths):
+def _split_digests(kind, paths):
+    """The sha256s of a split's files ``paths`` of ``kind`` (``file_digest``), taken before it is loaded: what its
+    records' pass is kept by (``_records_check_memo``). Taken after, they were those of a write during the load (an
+    eval file's during the train split's walk), and the records loaded before it kept their pass under the written
+    content's hash. None for a save_to_disk folder (not a file hashed)."""
+    return None if kind == "disk" else [file_digest(path) for path in paths]
+
+
+def _hashes_shared(paths, digests):
     """Whether later processes find the hashes of the files ``paths`` without reading them (``shared_digest``), and
-    they are those this process read them by (``file_digest``): else what is kept by them would not be found, or would
-    be of other content (a file written since)."""
-    return all(shared_digest(path).sha256 == file_digest(path) for path in paths)
+    they are still ``digests``, those the files were loaded by: else what is kept by them would not be found, or would
+    be of other content (a file written since, as ``checked_json``'s)."""
+    return all(shared_digest(path).sha256 == digest for path, digest in zip(paths, digests, strict=True))
 
 
 @functools.cache
@@ -2351,6 +2360,9 @@ class LocalDataset(PromptRawDataset):
 
     def load(self):
         self.keeps_nulls = keeps_nulls(self.source)
+        # (the files' hashes as they are loaded: what their records' pass is kept by, ``_validate_unless_passed``)
+        train_digests = _split_digests(self.source.kind, self.source.train_files)
+        eval_digests = _split_digests(self.source.eval_type, self.source.eval_files)
         train, eval_data = self._load_splits()
         self._read_alpaca_columns(train.column_names)
         self._read_pairwise_conversations(train)
@@ -2375,8 +2387,8 @@ class LocalDataset(PromptRawDataset):
             self.reward_columns += (ALPACA_OUTPUT,)
         self.has_answers = self.shape != "prompt" or self.fields["chosen"] in train.column_names
         self.has_rejected = self.shape != "messages" and self.fields["rejected"] in train.column_names
-        self._validate_unless_passed(train, self.source.kind, self.source.train_files, self.source.train,
-                                     self._train_lines)
+        self._validate_unless_passed(train, self.source.kind, self.source.train_files, train_digests,
+                                     self.source.train, self._train_lines)
         if eval_data is not None:
             eval_where = self.source.eval_where or self.source.train_where
             if self._record_shape(eval_data, eval_where) != self.shape:
@@ -2384,7 +2396,7 @@ class LocalDataset(PromptRawDataset):
                                          f"records ({eval_data.column_names} vs {train.column_names})")
             self._check_renamed_columns_beside(eval_data.column_names, eval_where)
             self._check_renamed_prompt_parts(eval_data.column_names, eval_where)
-            self._validate_unless_passed(eval_data, self.source.eval_type, self.source.eval_files,
+            self._validate_unless_passed(eval_data, self.source.eval_type, self.source.eval_files, eval_digests,
                                          self.source.eval or f"{self.source.train} (eval split)", self._eval_lines)
         return {"train": train, "eval": eval_data}
 
@@ -2617,22 +2629,23 @@ class LocalDataset(PromptRawDataset):
         return [type(self).__qualname__, {name: value for name, value in vars(self).items()
                                           if name not in self.NOT_READING_SETTINGS}]
 
-    def _validate_unless_passed(self, data, kind, paths, where, record_lines):
-        """``_validate`` of the records of the files ``paths``, unless they passed it before with the same content,
-        reader settings and code (``_records_check_memo``), the pass kept where later processes find the files'
-        hashes without reading them and those are still the ones it was looked up by (as ``checked_json``'s; a
-        failed walk keeps nothing). Processes walking the same records at once take turns (``_memo_bucket_lock``)."""
-        memo = _records_check_memo(kind, paths, self._reading_settings())
+    def _validate_unless_passed(self, data, kind, paths, digests, where, record_lines):
+        """``_validate`` of the records of the files ``paths``, loaded by their sha256s ``digests``
+        (``_split_digests``), unless they passed it before with the same content, reader settings and code
+        (``_records_check_memo``), the pass kept where later processes find the files' hashes without reading them
+        and those are still ``digests`` (as ``checked_json``'s; a failed walk keeps nothing). Processes walking the
+        same records at once take turns (``_memo_bucket_lock``)."""
+        memo = _records_check_memo(kind, digests, self._reading_settings())
         if memo is None:
             self._validate(data, where, record_lines)
             return
         if os.path.isfile(memo):
             return
-        with _memo_bucket_lock(memo) if _hashes_shared(paths) else contextlib.nullcontext():
+        with _memo_bucket_lock(memo) if _hashes_shared(paths, digests) else contextlib.nullcontext():
             if os.path.isfile(memo):  # (kept by another process while this one waited)
                 return
             self._validate(data, where, record_lines)
-            if _hashes_shared(paths):
+            if _hashes_shared(paths, digests):
                 _keep_json_check(memo, paths[0], None, {"passed": True})
 
     def _validate(self, data, path, record_lines):
