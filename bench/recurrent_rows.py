@@ -179,19 +179,26 @@ def table(results):
 
 
 def device_flag(text):
-    """An argparse type for --device: cpu, or a CUDA GPU torch sees. A typo ("cuda0") was a traceback of
-    torch.device's naming no flag, and another device type (meta) or a GPU not there failed each family's run."""
+    """An argparse type for --device: cpu, cuda or cuda:N. A typo ("cuda0") was a traceback of torch.device's naming
+    no flag, and another device type (meta) failed each family's run. (Whether torch sees that GPU is asked after the
+    parse, ``gpu_not_seen``: the commands the docs quote for the GPU machine parse on a CPU.)"""
     try:
         device = torch.device(text)
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"{text!r}: not a device this check runs on (cpu, cuda or cuda:N)")
+    return text
+
+
+def gpu_not_seen(text):
+    """Why --device ``text`` names a GPU torch does not see (failing only once each family's model was built), else
+    None."""
+    device = torch.device(text)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and (device.index or 0) >= gpus:
-        raise argparse.ArgumentTypeError(f"{text!r}: torch {torch.__version__} sees {gpus} CUDA GPU(s) "
-                                         "(--device cpu runs on the CPU)")
-    return text
+        return f"{text!r}: torch {torch.__version__} sees {gpus} CUDA GPU(s) (--device cpu runs on the CPU)"
+    return None
 
 
 def parse_args(argv):
@@ -210,6 +217,8 @@ def parse_args(argv):
     p.add_argument("--new_tokens", type=int, default=24, help="greedy tokens generated (default %(default)s)")
     p.add_argument("--json", type=json_name, help="a file name: the rows are written to $OUT/JSON")
     args = p.parse_args(argv)
+    if why := gpu_not_seen(args.device):
+        p.error(f"argument --device: {why}")
     for flag in ("rows_per_length", "new_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} {getattr(args, flag)}: at least 1")
