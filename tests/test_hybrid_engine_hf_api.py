@@ -329,7 +329,7 @@ def test_ranks_that_generate_together_agree_on_their_arguments_over_the_world_un
     # (a group without ZeRO-3 agrees on module surgery too: no other meeting of it could)
     for fake, flags, group in ((engine_at(3, tp), (True,), None), (engine_at(2, tp), (True, True), "the tp group"),
                                (engine_at(3), (True,), None)):
-        with pytest.raises(ValueError, match="another rank refused its arguments"):
+        with pytest.raises(ValueError, match=r"another rank, rank 1 \(the lowest if several\), refused its arguments"):
             with hybrid.HybridEngine._failing_together(fake, "cpu"):
                 pass  # this rank's arguments are fine; another's were not (ranks_agree_on says False)
         assert asked[-1] == ("generate()", flags, group)

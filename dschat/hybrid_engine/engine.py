@@ -673,8 +673,8 @@ class HybridEngine:
             if error is None and replaced_elsewhere:
                 _refuse_replaced(None, on_rank=replaced_elsewhere[0])
             if refused_on is not None and error is None:
-                raise ValueError("generate: another rank refused its arguments (its error says why); every rank "
-                                 "that generates with it stops too")
+                raise ValueError(f"generate: another rank, rank {refused_on} (the lowest if several), refused its "
+                                 "arguments (its error says why); every rank that generates with it stops too")
         if error is not None:
             raise error
 

@@ -158,7 +158,8 @@ def check_one_rank_refused(engine, ids, mask, eos, expected, rank):
         message = str(error)
     else:
         raise AssertionError(f"rank {rank}: a refused generation elsewhere did not stop this rank")
-    assert ("LEFT-padded" if rank == 1 else "another rank refused its arguments") in message, (rank, message)
+    assert ("LEFT-padded" if rank == 1 else "another rank, rank 1 (the lowest if several), refused its arguments") \
+        in message, (rank, message)
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos), expected)
 
 
