@@ -157,3 +157,38 @@ def transformers_xlstm_cache(monkeypatch):
     from dschat import compat
 
     _library_mend_undone(monkeypatch, compat._XLSTM_CACHE_MEND)
+
+
+_TESTS_FOLDER = os.path.dirname(os.path.abspath(__file__))
+_LEAKS_SAID = set()
+
+
+def _test_functions_bound_in_dschat():
+    """{"module.name": "file:line"} of dschat module globals bound to a function written in a test file."""
+    import sys
+    import types
+
+    bound = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "dschat" or module_name.startswith("dschat.")):
+            continue
+        for name, value in list(vars(module).items()):
+            if type(value) is types.FunctionType and value.__code__.co_filename.startswith(_TESTS_FOLDER):
+                bound[f"{module_name}.{name}"] = f"{value.__code__.co_filename}:{value.__code__.co_firstlineno}"
+    return bound
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Fails the test that left a dschat module holding one of the tests' functions once its fixtures (monkeypatch's
+    undo) are done: a module first imported while a patch was in place copied the patched name (``from dschat.x
+    import f``) and keeps it, so a later test, in some orders only, calls the replacement (a step 3 raised another
+    test's exception). Each leak is said once (after the leaking test, the later ones would see it too)."""
+    result = yield
+    leaks = {name: where for name, where in _test_functions_bound_in_dschat().items() if name not in _LEAKS_SAID}
+    if leaks:
+        _LEAKS_SAID.update(leaks)
+        raise AssertionError(f"{item.nodeid} left a patched function behind: " + "; ".join(
+            f"{name} is {where}" for name, where in leaks.items()) + " (import the module that copies the name "
+            "before patching it, or patch it there too)")
+    return result

@@ -26,6 +26,15 @@ def counted_reads(monkeypatch):
     return reads
 
 
+def stop_at_training_records(monkeypatch):
+    """A step run stopped where its tokenized data is ready (``common.require_training_records`` raises Ran). The
+    steps ``run_pipeline`` runs are imported first: one it first imported while the patch was in place (ppo, which
+    imports the name) kept the raiser for the rest of the process, and a later test's step 3 raised Ran."""
+    from dschat.steps import dpo, ppo, reward, sft  # noqa: F401
+
+    monkeypatch.setattr(common, "require_training_records", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+
+
 def train_py_args(argv):
     return runpy.run_path(str(REPO / "train.py"))["parse_args"](argv)
 
@@ -93,7 +102,7 @@ def test_step_1_reads_no_local_copy_of_a_hub_dataset_again_that_train_pys_pre_fl
         pd.DataFrame([{"prompt": f"\n\nHuman: Hi {i}?\n\nAssistant:", "response": " Hello.", "chosen": " Hello.",
                        "rejected": " No."} for i in range(8)]).to_parquet(folder / f"{split}-00000-of-00001.parquet")
     reads = counted_reads(monkeypatch)
-    monkeypatch.setattr(common, "require_training_records", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    stop_at_training_records(monkeypatch)
     with pytest.raises(Ran):  # (step 1 ran up to its tokenized data)
         pipeline.run_pipeline(train_py_args(["--step", "1", "--output-dir", str(tmp_path / "out"),
                                              "--data-path", "Dahoas/rm-static"]))
@@ -183,7 +192,7 @@ def test_step_1_loads_no_hub_dataset_again_that_train_pys_pre_flight_loaded_offl
     monkeypatch.setattr(base, "load_hub_dataset", lambda name, *a, **k: loads.append(name) or
                         load_hub_dataset(name, *a, **k))
     reads = counted_reads(monkeypatch)
-    monkeypatch.setattr(common, "require_training_records", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    stop_at_training_records(monkeypatch)
     argv = ["--step", "1", "--output-dir", str(tmp_path / "out"), "--data-path", "Dahoas/rm-static"]
     with pytest.raises(Ran):  # (step 1 ran up to its tokenized data)
         pipeline.run_pipeline(train_py_args(argv))
