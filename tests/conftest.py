@@ -30,6 +30,26 @@ def _small_zero_buckets():
     yield
 
 
+# dschat's notices said once per process are kept in these module sets (a dict, for reward_fn's): each test starts
+# as a fresh process does, nothing said yet. Else a test that checks a notice failed after another test had said the
+# same one (test_prompt_eval_prints_both_models_answers after test_prompt_eval_rule_scores_the_tiny_held_out_prompts:
+# "--top_k 4: no effect on greedy decoding" said by the earlier one, not again).
+SAID_ONCE_MEMORIES = (("dschat.utils.cli", "_SAID"), ("dschat.utils.dist", "_SAID_ONCE"),
+                      ("dschat.args", "_REPORTED_UNKNOWN"), ("dschat.models.loading", "_WARNED_EOT"),
+                      ("dschat.models.left_padding", "_WARNED_LEFT_PADDING"), ("dschat.data.pipeline", "_RENAMES_SAID"),
+                      ("dschat.rlhf.reward_fn", "_RENAMED_SAID"))
+
+
+@pytest.fixture(autouse=True)
+def nothing_said_yet():
+    """The memories of SAID_ONCE_MEMORIES emptied, of the modules imported so far (one imported later starts empty)."""
+    import sys
+
+    for module_name, name in SAID_ONCE_MEMORIES:
+        if module_name in sys.modules:
+            getattr(sys.modules[module_name], name).clear()
+
+
 @pytest.fixture(scope="session")
 def distributed():
     from dschat.utils.dist import ensure_distributed

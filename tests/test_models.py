@@ -496,14 +496,11 @@ def _rwkv_config(**settings):  # recurrent layers that read no attention mask
 
 
 @pytest.mark.parametrize("family", ["rwkv", "llama"])
-def test_left_padding_that_moves_the_scores_is_warned_of_once(family, capsys, monkeypatch):
+def test_left_padding_that_moves_the_scores_is_warned_of_once(family, capsys):
     """RWKV's recurrence reads no attention mask (transformers' modelling), so a left-padded row scores otherwise than
     the row alone; dschat left-pads a reward model's rows in step 3 with --padded_forwards (its held-out evaluation too),
     and said nothing. Said once per family (LEFT_PADDING_MOVES_SCORES), where left-padded rows come; nothing for a
     family whose scores left padding does not move."""
-    from dschat.models import left_padding
-
-    monkeypatch.setattr(left_padding, "_WARNED_LEFT_PADDING", set())
     torch.manual_seed(0)
     config = _rwkv_config() if family == "rwkv" else CONFIGS[family]()
     critic = RewardModel(AutoModel.from_config(config)).eval()

@@ -1118,13 +1118,12 @@ def test_a_temperature_the_fp32_sampling_cannot_scale_by_is_an_error_before_any_
         check_sampling_flags(value, 1.0)
 
 
-def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample(capsys, monkeypatch):
+def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample(capsys):
     """--top_k -1 is no top-k filtering, as the default 0 is: a greedy run was warned that it did nothing."""
     import argparse
 
     from dschat.tools.common import add_generation_args, generation_kwargs
 
-    monkeypatch.setattr("dschat.utils.cli._SAID", set())
     parser = argparse.ArgumentParser()
     add_generation_args(parser, sample_by_default=False)
     for flags in ([], ["--top_k", "-1"], ["--top_k", "0", "--top_p", "1", "--temperature", "1"]):
@@ -1134,14 +1133,13 @@ def test_greedy_decoding_says_only_the_sampling_flags_that_would_change_a_sample
     assert "--top_k 4, --top_p 0.9: no effect on greedy decoding" in capsys.readouterr().err
 
 
-def test_a_seed_given_to_a_greedy_decoding_is_said_to_do_nothing(capsys, monkeypatch):
+def test_a_seed_given_to_a_greedy_decoding_is_said_to_do_nothing(capsys):
     """prompt_eval --seed 0 (greedy by default) and chat.py --greedy --seed 0 took the seed in silence, as if the
     answers depended on it; with sampling it is used, and nothing is said."""
     import argparse
 
     from dschat.tools.common import add_generation_args, generation_kwargs
 
-    monkeypatch.setattr("dschat.utils.cli._SAID", set())
     for sample_by_default, flags, said in ((False, ["--seed", "0"], True), (True, ["--greedy", "--seed", "3"], True),
                                            (True, ["--seed", "3"], False), (False, ["--do_sample", "--seed", "0"],
                                                                             False)):
@@ -2007,8 +2005,7 @@ def test_ppo_eval_takes_the_runs_field_names_only_with_the_runs_files(tmp_path):
     assert embedded.data_path == ["tiny"] and embedded.data_fields == ""
 
 
-def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("dschat.args._REPORTED_UNKNOWN", set())  # each unknown setting is reported once a process
+def test_ppo_eval_writes_policy_and_baseline_results(models, tmp_path, capsys):
     out_json = tmp_path / "eval" / "ppo_eval.json"
     results = ppo_eval.main(["--policy", models["policy"], "--baseline", models["baseline"], "--reward_model",
                              models["rm"], "--num_prompts", "4", "--per_device_generation_batch_size", "4",

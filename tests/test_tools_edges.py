@@ -174,12 +174,11 @@ def test_ppo_eval_scores_a_moved_run_with_the_reward_model_in_its_folder(tmp_pat
     assert record("another-run") == str(old / "step2_rm")  # (not the model step 3 trained against: as recorded)
 
 
-def test_the_warning_of_an_unfinished_model_is_said_once(tmp_path, capsys, monkeypatch):
+def test_the_warning_of_an_unfinished_model_is_said_once(tmp_path, capsys):
     """rw_eval and ppo_eval look their model up for the run's defaults and again to load it: the warning of an
     interrupted step's folder was printed twice, word for word."""
     from dschat.tools import ppo_eval
 
-    monkeypatch.setattr("dschat.utils.cli._SAID", set())
     actor = _model_folder(tmp_path / "step3_ppo" / "actor")
     (actor.parent / "training_args.json").write_text(json.dumps({"step": "step3", "flags": {"data_path": ["tiny"]}}))
     ppo_eval.parse_args(["--policy", str(tmp_path)])  # (no metrics.json: unfinished)
