@@ -100,7 +100,7 @@ def ready_reward_model(args):
     return path if _hub_holds_reward_model(path) else None
 
 
-_HUB_REWARD_MODELS = {}  # name -> whether its config says reward model (a lookup that failed is asked again)
+_HUB_REWARD_MODELS = {}  # name -> whether it is a reward model (a lookup that failed, in part too, is asked again)
 
 
 def _hub_holds_reward_model(name):

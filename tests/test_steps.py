@@ -1164,6 +1164,44 @@ def test_train_py_step_3_scores_with_a_hub_reward_model_by_its_name(tmp_path, di
     assert find_reward_model_path(str(out)) == "acme/tiny-reward"
 
 
+def test_train_py_asks_again_whether_a_hub_name_is_a_reward_model_when_a_connection_error_hid_its_file(
+        hub_cache, reachable_hub, monkeypatch):
+    """A hub reward model saved by dschat is told by its reward_model.json (its config is the backbone's). Online, a
+    connection error left that file unfetched (the hub client answers None, as for a file the model has not), and
+    train.py kept "no reward model" for the name for the rest of the process: a notebook's run after the network came
+    back trained step 2 from it (or GRPO refused it), as no step 3 scorer. Such an answer is not kept now."""
+    import shutil
+
+    import transformers.utils.hub
+    from transformers import AutoConfig, AutoModel
+
+    from dschat import pipeline
+    from dschat.models.checkpoint import save_reward_model
+    from dschat.models.loading import load_tokenizer, resolve_model_path
+    from dschat.models.reward_model import REWARD_META_FILE, RewardModel
+
+    def save(folder):
+        backbone = AutoModel.from_config(AutoConfig.from_pretrained(resolve_model_path("tiny-llama")))
+        save_reward_model(RewardModel(backbone), load_tokenizer("tiny-llama"), str(folder))
+
+    name = "acme/dschat-rm-behind-a-flaky-network"
+    snapshot = hub_cache(name, save)
+    aside = snapshot.parent.parent / REWARD_META_FILE
+    shutil.move(snapshot / REWARD_META_FILE, aside)  # (not downloaded yet)
+    network_up = [False]
+
+    def fetched(repo, filename, **kwargs):  # (the hub client: a file of the snapshot, downloaded where it is up)
+        if filename == REWARD_META_FILE and network_up[0] and aside.exists():
+            shutil.move(aside, snapshot / filename)
+        return str(snapshot / filename) if (snapshot / filename).exists() else None
+
+    monkeypatch.setattr(transformers.utils.hub, "cached_file", fetched)
+    args = _train_py_args("--step", "3", "--reward-model", name)
+    assert pipeline.ready_reward_model(args) is None
+    network_up[0] = True
+    assert pipeline.ready_reward_model(args) == name
+
+
 def test_train_py_grpo_is_rewarded_by_a_trained_reward_model_and_dpo_refuses_one(tmp_path, distributed, hub_cache,
                                                                                   capsys):
     """--reward-model was silently unused by --recipe grpo and dpo, and, as no tiny preset, it turned the tiny recipe

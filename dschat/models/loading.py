@@ -149,11 +149,17 @@ def _extra_files_settled(name, folder, extra_files):
     the model has none (the hub cache's marker of it, ``try_to_load_from_cache``). Else the folder is not kept: a file
     a connection error left unfetched (``hub_file`` answers None alike) was taken as missing for the rest of the
     process, a notebook's reward model "not a reward model" at each call after the network came back."""
+    return all(os.path.exists(os.path.join(folder, file)) or hub_file_known_missing(name, file)
+               for file in extra_files)
+
+
+def hub_file_known_missing(name, file):
+    """Whether ``hub_file(name, file)``'s None is settled: offline (only the hub cache is read), or the hub said the
+    model has no such file (the hub cache's marker of it, ``try_to_load_from_cache``); not where a connection error
+    left it unfetched, which the hub client answers alike."""
     from huggingface_hub import _CACHED_NO_EXIST, constants, try_to_load_from_cache
 
-    return constants.HF_HUB_OFFLINE or all(os.path.exists(os.path.join(folder, file))
-                                           or try_to_load_from_cache(name, file) is _CACHED_NO_EXIST
-                                           for file in extra_files)
+    return constants.HF_HUB_OFFLINE or try_to_load_from_cache(name, file) is _CACHED_NO_EXIST
 
 
 def _hub_folder_key(name, extra_files):

@@ -374,8 +374,9 @@ def hub_holds_reward_model(name):
     """Whether the hub model ``name`` is a reward model by its config.json (a one-label *ForSequenceClassification of
     a decoder family, OpenRLHF's) or dschat's reward-model file, fetched alone (the weights come when it loads); None
     when its config cannot be fetched (no such model, a gated one; offline: not in the hub cache). DeepSpeed-Chat's
-    layout is told by its weights' names only: a folder of it is read, a hub name is not."""
-    from dschat.models.loading import hub_file
+    layout is told by its weights' names only: a folder of it is read, a hub name is not. None too when dschat's file
+    is not there for a connection error (``hub_file_known_missing``): a caller that keeps the answer asks again."""
+    from dschat.models.loading import hub_file, hub_file_known_missing
 
     try:
         config_file = hub_file(name, "config.json")
@@ -388,7 +389,9 @@ def hub_holds_reward_model(name):
     keys = score_head_keys(config)
     if keys == (SEQ_CLS_HEAD_KEY,) and not _classifier_has(os.path.dirname(config_file), SEQ_CLS_HEAD_KEY):
         return False  # (e.g. an encoder's: its head is "classifier")
-    return bool(keys) or hub_file(name, REWARD_META_FILE) is not None
+    if keys or hub_file(name, REWARD_META_FILE) is not None:
+        return True
+    return False if hub_file_known_missing(name, REWARD_META_FILE) else None
 
 
 def _classifier_has(folder, key):
