@@ -1,4 +1,6 @@
 """Tiny models, DeepSpeed configs and reference generation shared by the hybrid-engine tests and 2-rank scripts."""
+import contextlib
+
 import torch
 from transformers import (AutoModelForCausalLM, BloomConfig, FalconConfig, Gemma2Config, GPT2Config, GPTBigCodeConfig,
                           GPTJConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config)
@@ -202,6 +204,19 @@ def sdpa_reference(q, k, v, mask, scale):
     out = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                            scale=scale)
     return out.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def rank_0_replaces(o_proj, rank):
+    """Module surgery on rank 0 alone for the block: ``o_proj``'s weight replaced by a new Parameter (a copy), put back
+    after."""
+    weight = o_proj._parameters["weight"]
+    if rank == 0:
+        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
+    try:
+        yield
+    finally:
+        o_proj._parameters["weight"] = weight
 
 
 def check_surgery_on_rank_0_refused(rank, meet):

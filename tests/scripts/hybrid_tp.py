@@ -32,7 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_common import (PAD, answer_logprobs_and_live, check_refresh_after_step,  # noqa: E402
                            check_surgery_on_rank_0_refused, ds_config, early_token, hf_generate, make_ds_engine,
-                           tiny_model, train_step)
+                           rank_0_replaces, tiny_model, train_step)
 from hybrid_zero3 import build_zero3_actor, rank_prompts  # noqa: E402
 
 MAX_NEW = 20
@@ -378,17 +378,14 @@ def check_surgery_on_rank_0_alone_stops_the_group(rank):
     engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, inference_tp_size=2),
                           pad_token_id=PAD)
     o_proj = engine.module.model.layers[1].self_attn.o_proj
-    weight = o_proj._parameters["weight"]
-    if rank == 0:
-        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
-    check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank)
 
     def eval_and_generate():
         engine.eval()
         engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
 
-    check_surgery_on_rank_0_refused(rank, eval_and_generate)
-    o_proj._parameters["weight"] = weight
+    with rank_0_replaces(o_proj, rank):
+        check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank)
+        check_surgery_on_rank_0_refused(rank, eval_and_generate)
     engine.eval()
     got = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
     assert torch.equal(got, expected), (rank, got, expected)
@@ -401,11 +398,8 @@ def check_surgery_before_training_stops_the_group(engine, o_proj, sequences, ran
     """The same replacement on rank 0 alone, then train() with no generate: the group met at generate alone, so rank 0
     trained (DeepSpeed's optimizer on the old parameter) while rank 1 did not know. The train() that begins a train
     phase is a meeting of the group now: both ranks refuse there; put back, both train in step."""
-    weight = o_proj._parameters["weight"]
-    if rank == 0:
-        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
-    check_surgery_on_rank_0_refused(rank, engine.train)
-    o_proj._parameters["weight"] = weight
+    with rank_0_replaces(o_proj, rank):
+        check_surgery_on_rank_0_refused(rank, engine.train)
     train_step(engine, sequences)
     print(f"rank {rank} surgery before train(): refused by the group", flush=True)
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_common import (PAD, check_surgery_on_rank_0_refused, gather_into, hf_generate,  # noqa: E402
-                           left_padded_batch, make_ds_engine, tiny_model, train_step)
+                           left_padded_batch, make_ds_engine, rank_0_replaces, tiny_model, train_step)
 
 MAX_NEW = 8
 
@@ -74,12 +74,8 @@ def check_a_write_on_rank_0_is_seen_by_every_rank(engine, reference, ids, mask, 
 
 
 def check_surgery_on_rank_0_alone_stops_every_rank(engine, ids, mask, rank):
-    o_proj = engine.module.model.layers[1].self_attn.o_proj
-    weight = o_proj._parameters["weight"]
-    if rank == 0:
-        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
-    check_surgery_on_rank_0_refused(rank, engine.eval)
-    o_proj._parameters["weight"] = weight
+    with rank_0_replaces(engine.module.model.layers[1].self_attn.o_proj, rank):
+        check_surgery_on_rank_0_refused(rank, engine.eval)
     expected = engine.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW)
     assert torch.equal(generate(engine, ids, mask), expected), rank
     print(f"rank {rank} surgery undone: in step", flush=True)
@@ -87,12 +83,8 @@ def check_surgery_on_rank_0_alone_stops_every_rank(engine, ids, mask, rank):
 
 
 def check_surgery_before_training_stops_every_rank(engine, sequences, rank):
-    o_proj = engine.module.model.layers[1].self_attn.o_proj
-    weight = o_proj._parameters["weight"]
-    if rank == 0:
-        o_proj._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
-    check_surgery_on_rank_0_refused(rank, engine.train)
-    o_proj._parameters["weight"] = weight
+    with rank_0_replaces(engine.module.model.layers[1].self_attn.o_proj, rank):
+        check_surgery_on_rank_0_refused(rank, engine.train)
     train_step(engine, sequences)
     print(f"rank {rank} surgery before train(): refused", flush=True)
 
