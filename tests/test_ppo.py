@@ -5038,6 +5038,51 @@ def test_under_synced_gpus_padded_rows_generate_apart_and_a_rank_makes_as_many_c
     assert torch.equal(seq[:, :4], ids) and torch.equal(seq[:, 4:], torch.stack(alone))
 
 
+@pytest.mark.parametrize("family", ["llama", "rwkv"])
+def test_hf_generate_syncs_a_zero3_model_on_several_ranks_when_the_caller_leaves_synced_gpus_unsaid(family,
+                                                                                                    monkeypatch):
+    """evaluate_policy's ``synced_gpus`` left unsaid is None, HF's default: ZeRO-3 on several ranks, seen only while an
+    HfDeepSpeedConfig is alive, which dschat's loaders let go once the model is built. So a ZeRO-3 model (its
+    parameters partitioned) on several ranks generated unsynced, and the ranks hung once one's answers ended first.
+    hf_generate now tells HF outright: synced where the model is partitioned and there are several ranks, as the
+    caller says where it says."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.models.loading import model_load_context
+    from dschat.rlhf import trainer
+    from dschat.rlhf.trainer import hf_generate
+
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2))
+    else:
+        model = tiny_rwkv()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    ids, mask = _left_padded([[10, 11], [30, 31]], 2)
+    said = []
+    model.generate = lambda input_ids, synced_gpus="unsaid", **kw: said.append(synced_gpus) or input_ids
+    monkeypatch.setattr(trainer, "all_reduce", lambda t, op: t)  # (the rank count's agreement: one rank here)
+    keep_alive = model_load_context({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    del keep_alive  # (as dschat's loaders: gone once the model is built)
+
+    def synced_gpus(world, partitioned, **call):
+        monkeypatch.setattr(trainer, "get_world_size", lambda: world)
+        first = next(model.parameters())
+        if partitioned:
+            first.ds_id = 0  # (what a ZeRO-3-partitioned parameter carries)
+        elif hasattr(first, "ds_id"):
+            del first.ds_id
+        said.clear()
+        hf_generate(model, tokenizer)(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **call)
+        return set(said)
+
+    assert synced_gpus(2, partitioned=True) == {True}
+    assert synced_gpus(2, partitioned=True, synced_gpus=None) == {True}  # (as evaluate_policy passes it unsaid)
+    assert synced_gpus(2, partitioned=True, synced_gpus=False) == {False}  # (the caller's word)
+    assert synced_gpus(1, partitioned=True) == {False}
+    assert synced_gpus(2, partitioned=False) == {False}
+
+
 @pytest.mark.parametrize("where", ["call", "generation_config"])
 def test_rows_generated_without_their_padding_get_the_new_tokens_a_max_length_gives_the_batch(where):
     """HF's ``max_length`` counts the prompt, padding included: a padded row of an actor whose outputs left padding

@@ -7,6 +7,11 @@ def is_zero3_param(param):
     return hasattr(param, "ds_id")
 
 
+def holds_zero3_params(module):
+    """Whether ``module`` has a ZeRO-3-partitioned parameter (its forwards gather them: a collective of every rank)."""
+    return any(is_zero3_param(p) for p in module.parameters())
+
+
 def full_numel(param):
     """The parameter's whole size, partitioned or not."""
     return getattr(param, "ds_numel", param.numel())

@@ -687,9 +687,9 @@ def _unread_free_flags(args):
 
 def _load_ema(module, path):
     """Rank 0 loads into ZeRO-3 gathers (then re-partitioned); unsharded copies load on every rank."""
-    from dschat.models.zero3 import gathered, is_zero3_param
+    from dschat.models.zero3 import gathered, holds_zero3_params
 
-    sharded = any(is_zero3_param(p) for p in module.parameters())
+    sharded = holds_zero3_params(module)
     state = torch.load(path, weights_only=True) if is_rank_0() or not sharded else None
     for name, param in module.named_parameters():
         with gathered([param], modifier_rank=0):

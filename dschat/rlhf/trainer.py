@@ -23,6 +23,7 @@ from dschat.models.left_padding import left_padding_moves, warn_of_padded_genera
 from dschat.models.loading import generable_token_count, stop_token_ids, token_id_list
 from dschat.models.lora import unwrap_peft
 from dschat.models.reward_model import positions_from_mask
+from dschat.models.zero3 import holds_zero3_params
 from dschat.rlhf import algorithms as algo
 from dschat.models.positions import position_limit
 from dschat.rlhf.layout import forward_layout, head_reads, reward_scores
@@ -267,12 +268,22 @@ def hf_generate(model, tokenizer):
     """``model``'s HF ``generate`` choosing no id the tokenizer has no token for (``untokenized_ids``, as the hybrid
     engine leaves them out), its arguments built at each call from the tokenizer as it is now: the one path of step 3's
     rollouts without the hybrid engine, its held-out evaluation and the tools' ``evaluate_policy`` (they score as step
-    3 does)."""
+    3 does). ``synced_gpus`` unsaid is said to HF as the model needs (``synced_as_the_model_needs``)."""
     suppressed = suppress_untokenized(model, tokenizer)
     generate = functools.partial(model.generate, **suppressed) if suppressed else model.generate
     if keeps_states_in_modules(model):
         generate = functools.partial(from_fresh_module_states, model, generate)
-    return functools.partial(generate_row_by_row, model, generate) if left_padding_moves(model) else generate
+    generate = functools.partial(generate_row_by_row, model, generate) if left_padding_moves(model) else generate
+    return functools.partial(synced_as_the_model_needs, model, generate)
+
+
+def synced_as_the_model_needs(model, generate, input_ids, synced_gpus=None, **kwargs):
+    """``generate`` told ``synced_gpus`` outright: as the caller says, else ``syncs_ranks``'s default, which sees a
+    ZeRO-3 model by its partitioned parameters. HF's own default (None) sees ZeRO-3 only while an HfDeepSpeedConfig
+    is alive, which dschat's loaders let go once the model is built (``model_load_context``): a ZeRO-3 model on
+    several ranks generated unsynced, and the ranks hung once one's answers ended first (``evaluate_policy`` called
+    without ``synced_gpus``)."""
+    return generate(input_ids, synced_gpus=syncs_ranks(model, synced_gpus), **kwargs)
 
 
 def from_fresh_module_states(model, generate, input_ids, **kwargs):
@@ -338,15 +349,17 @@ def with_the_batchs_new_token_counts(model, kwargs, width):
 
 def syncs_ranks(model, synced_gpus):
     """Whether HF generate keeps the ranks stepping together (``synced_gpus``: every forward a collective): as the
-    caller says, else HF's default (ZeRO-3 or FSDP on several ranks). Mirrored, not guessed: ranks must make as many
-    calls exactly where HF syncs them, and agreeing on that count is a collective that a rank generating alone (HF
-    not syncing) must not make."""
+    caller says, else HF's default (ZeRO-3 or FSDP on several ranks), ZeRO-3 seen by the model's partitioned
+    parameters too (HF's sees it only while an HfDeepSpeedConfig is alive; ``synced_as_the_model_needs`` tells HF
+    this answer). Ranks must make as many calls exactly where HF syncs them, and agreeing on that count is a
+    collective that a rank generating alone (HF not syncing) must not make."""
     if synced_gpus is not None:
         return bool(synced_gpus)
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
     from transformers.integrations.fsdp import is_fsdp_managed_module
 
-    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and get_world_size() > 1
+    zero3 = is_deepspeed_zero3_enabled() or holds_zero3_params(model)
+    return (zero3 or is_fsdp_managed_module(model)) and get_world_size() > 1
 
 
 def generate_in_step_with_other_ranks(generate, calls, synced, kwargs):
