@@ -1845,6 +1845,22 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, kind):
     assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
 
 
+@pytest.mark.parametrize("extension", [".gz", ".bz2", ".xz"])
+def test_a_compressed_json_files_byte_order_mark_is_told_by_its_text_not_its_compressed_bytes(tmp_path, extension):
+    """A JSON file's load tells its text's encoding by the first bytes read in its hash's open (``HashedFile.head``):
+    of a file named compressed those are the compression's (gzip's 1f 8b), not the text's, so its text's byte-order
+    mark must be read from the text (``text_encoding``): taken from the compressed bytes, a marked train.jsonl.gz was
+    read as plain UTF-8, its first record refused (or its first key '\ufeffprompt')."""
+    from dschat.data import local
+
+    train = tmp_path / f"bom_train.jsonl{extension}"
+    with local.DECOMPRESSORS[extension].open(train, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + open(write_records(RECORDS[:15], tmp_path / "train.jsonl", "jsonl"), "rb").read())
+    eval_ = write_records(RECORDS[15:], tmp_path / "eval.jsonl", "jsonl")
+    adapter = raw(f"jsonl:{train},{eval_}", tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+
+
 def test_unsupervised_text_files_with_a_byte_order_mark(tmp_path):
     from dschat.data.unsupervised import load_unsupervised_train
 
