@@ -63,8 +63,9 @@ from dschat.utils.dist import print_beside_progress_bars
 # train() alone. Each rank says which one it is in (``_ranks_agree_on``), so a rank that called generate() alone, whose
 # collective would pair with another call of the others (their next eval(), say) and put the ranks out of step, stops
 # every rank with an error that says so. A lone eval() + generate() makes a rollout's meetings and meets the others'
-# next rollout: it is caught at the others' next train() (its next meeting, eval(), meets that one), not where a
-# collective of the others comes first (within a train phase, or under ZeRO-3 a forward before train(): README).
+# next rollout: it is caught at the others' next train() (its next meeting, eval() under ZeRO-3, generate() in a group,
+# meets that one), not where a collective of the others comes first (within a train phase, or under ZeRO-3 a forward
+# before train(): README).
 _MEETINGS = ("eval()", "generate()", "generate()'s weight check", "train()")
 
 # the most flags a meeting agrees on: the weight check's (copy fresh, parameters in place); generate()'s arguments in a
