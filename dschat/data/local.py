@@ -1708,7 +1708,7 @@ def _keep_json_check(memo, path, stamp, kept):
     _prune_now_and_then(os.path.dirname(os.path.dirname(memo)))  # (its memo folder: the JSON checks' or records')
 
 
-# A split's records that passed ``LocalDataset._validate`` (every record read through the accessors: ~10 s for 100 MB
+# A split's records that passed ``LocalDataset._validate`` (every record read through the accessors: ~7 s for 100 MB
 # of JSON Lines on 2 CPU cores, more where a mixed-type column is decoded from JSON text each record) are kept as
 # passed by the content of the split's files, the reader's settings and the code of dschat.data
 # (``_records_check_memo``): a later run of the same data reads none of them again.
