@@ -5134,9 +5134,10 @@ TINY_ACTORS_READING_NO_MASK = {"recurrent_gemma": tiny_recurrent_gemma_actor, "d
 
 
 def test_an_xlstm_batch_generated_as_it_is_gets_the_mended_cache_too(transformers_xlstm_cache):
-    """Where HF generate takes a left-padded batch as it is (synced ranks, no pad id), a 64-wide xLSTM's generate
-    failed ("matC_old has wrong shape"): only ``decodes_rows_apart`` put dschat's fix of transformers' xLSTMCache in,
-    and that path never asks it. It generates now (the padding warned of), its unpadded row as it would alone."""
+    """Where HF generate takes a left-padded batch as it is (no pad id, as here; a prompt with no token or a hole), a
+    64-wide xLSTM's generate failed ("matC_old has wrong shape"): only ``decodes_rows_apart`` put dschat's fix of
+    transformers' xLSTMCache in, and that path never asked it. It generates now (the padding warned of), its unpadded
+    row as it would alone."""
     from transformers import AutoModelForCausalLM, xLSTMConfig
 
     from dschat.rlhf.trainer import hf_generate
