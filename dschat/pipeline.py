@@ -100,24 +100,27 @@ def ready_reward_model(args):
     return path if _hub_holds_reward_model(path) else None
 
 
-_HUB_REWARD_MODELS = {}  # name -> whether it is a reward model (a lookup that failed, in part too, is asked again)
+# ``hub_lookup_key`` (name, hub cache, offline) -> whether it is a reward model (a lookup that failed, in part too,
+# is asked again)
+_HUB_REWARD_MODELS = {}
 
 
 def _hub_holds_reward_model(name):
     """``hub_holds_reward_model`` decided on rank 0 (a lookup failing on one rank would give the ranks other steps),
-    once per name; False for a local path or a tiny preset."""
-    from dschat.models.loading import looks_local
+    once per name and hub cache; False for a local path or a tiny preset."""
+    from dschat.models.loading import hub_lookup_key, looks_local
     from dschat.models.reward_model import hub_holds_reward_model
     from dschat.tiny.presets import is_tiny_preset
 
     if looks_local(name) or is_tiny_preset(name):
         return False
-    if name not in _HUB_REWARD_MODELS:
+    key = hub_lookup_key(name)
+    if key not in _HUB_REWARD_MODELS:
         found = rank_0_decides(lambda: hub_holds_reward_model(name))
         if found is None:
             return False
-        _HUB_REWARD_MODELS[name] = found
-    return _HUB_REWARD_MODELS[name]
+        _HUB_REWARD_MODELS[key] = found
+    return _HUB_REWARD_MODELS[key]
 
 
 @functools.lru_cache(maxsize=8)

@@ -1202,6 +1202,31 @@ def test_train_py_asks_again_whether_a_hub_name_is_a_reward_model_when_a_connect
     assert pipeline.ready_reward_model(args) == name
 
 
+def test_train_py_asks_again_whether_a_hub_name_is_a_reward_model_in_another_hub_cache(tmp_path, hub_cache,
+                                                                                        monkeypatch):
+    """train.py kept whether a hub name is a reward model by the name alone: a notebook that changed HF_HUB_CACHE to
+    another download of the name got the first cache's answer. It is kept per hub cache now, as the fetched
+    snapshot folders are (``hub_lookup_key``)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from dschat import pipeline
+    from dschat.models.loading import resolve_model_path
+
+    name = "acme/rm-in-one-cache-only"
+    rm_cache = tmp_path / "rm_cache"
+    hub_cache(name, _save_tiny_sequence_classifier)
+    shutil.move(constants.HF_HUB_CACHE, rm_cache)
+    hub_cache(name, lambda folder: shutil.copytree(resolve_model_path("tiny-llama"), folder))  # (a language model)
+    lm_cache = constants.HF_HUB_CACHE
+    args = _train_py_args("--step", "3", "--reward-model", name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(rm_cache))
+    assert pipeline.ready_reward_model(args) == name
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", lm_cache)
+    assert pipeline.ready_reward_model(args) is None, "the other cache's answer"
+
+
 def test_train_py_grpo_is_rewarded_by_a_trained_reward_model_and_dpo_refuses_one(tmp_path, distributed, hub_cache,
                                                                                   capsys):
     """--reward-model was silently unused by --recipe grpo and dpo, and, as no tiny preset, it turned the tiny recipe

@@ -163,11 +163,17 @@ def hub_file_known_missing(name, file):
 
 
 def _hub_folder_key(name, extra_files):
-    """What a fetched snapshot folder holds besides ``name`` and ``extra_files`` depends on: the hub cache it is in,
-    and whether the hub was asked (offline, a file the hub cache lacked is left out: online, it is fetched then)."""
+    """What a fetched snapshot folder holds besides ``name`` and ``extra_files`` depends on: ``hub_lookup_key``."""
+    return *hub_lookup_key(name), tuple(extra_files)
+
+
+def hub_lookup_key(name):
+    """The key of a per-process memo of what the hub model ``name`` is found to hold: besides the name, the hub cache
+    it is read from (HF_HUB_CACHE, changed in a notebook: another download of the name) and whether the hub was asked
+    (offline, a file the hub cache lacked is left out: online, it is fetched then)."""
     from huggingface_hub import constants
 
-    return name, tuple(extra_files), constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE
+    return name, constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE
 
 
 def _fetch_hub_model_folder(name, extra_files=()):
