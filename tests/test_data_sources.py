@@ -98,7 +98,7 @@ def test_a_hub_datasets_downloaded_folder_reads_its_split_files(tmp_path):
         raw(str(prefs), tmp_path)
 
 
-def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_said(tmp_path, capsys):
+def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_said(tmp_path, capsys, monkeypatch):
     # FOLDER/data/train-00000-of-00002.parquet and train-00001-of-00002.parquet (load_dataset(FOLDER) reads them as one
     # split) were refused: "dschat reads one file per split: save the dataset as one"
     folder = tmp_path / "hub"
@@ -118,6 +118,14 @@ def test_a_hub_datasets_split_in_shards_is_read_as_one_and_a_missing_shard_is_sa
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[17:])
     assert f"{folder}: the download holds 1 of the 2 train shards, 1 of the 2 test shards: reading those" in \
         capsys.readouterr().out
+    # another download of as many shards, named alike (the relative path from another working directory): said too,
+    # not taken for the one said (the notice was keyed by the name and the counts)
+    for place in ("here", "there"):
+        partial = tmp_path / place / "hub"
+        shutil.copytree(folder, partial)
+        monkeypatch.chdir(partial.parent)
+        raw("hub", tmp_path)
+        assert "hub: the download holds 1 of the 2 train shards" in capsys.readouterr().out, place
     # JSON Lines shards: a record's error names its shard, line and record there; a number among one shard's strings
     # is that record's error (the shards' columns were of other types)
     shards = tmp_path / "shards"

@@ -188,7 +188,7 @@ class PromptRawDataset:
                                                        "data")
         where = given_as(self.flag, self.dataset_name)
         check_subsets_alike(where, folder, downloaded, self.splits_read())
-        check_download_splits(where, downloaded, self.splits_read())
+        check_download_splits(where, folder, downloaded, self.splits_read())
         return DatasetDict({name: hub_download_split(downloaded[name]) for name in self.splits_read()})
 
     def download_command(self):

@@ -1012,7 +1012,7 @@ def _hub_layout_source(kind, folder, spec, flag=None):
                          f"TYPE:TRAIN_PATH,EVAL_PATH (e.g. {kind}:{files})")
     eval_names = [name for name in EVAL_SPLIT_NAMES if name in splits]
     check_subsets_alike(given_as(flag, spec), folder, splits, ["train", *eval_names[:1]])
-    check_download_splits(given_as(flag, spec), splits, ["train", *eval_names[:1]])
+    check_download_splits(given_as(flag, spec), folder, splits, ["train", *eval_names[:1]])
     train = splits["train"][0]
     if hub_data_kind(train) != kind:
         raise UsageError(f"{given_as(flag, spec)}: the folder's train data is {os.path.relpath(train)}, not {kind}")
@@ -1068,17 +1068,19 @@ def hub_download_split(files):
     return load_split_files(hub_data_kind(files[0]), files)[0]
 
 
-def check_download_splits(where, splits, names):
-    """The splits ``names`` of a download (``splits``: {split: [files]}, ``_hub_split_files``) checked
+def check_download_splits(where, folder, splits, names):
+    """The splits ``names`` of the download at ``folder`` (``splits``: {split: [files]}, ``_hub_split_files``) checked
     (``_check_split_files``; ``where``: the data as its errors name it, after its flag). A split of which the download
     holds only some numbered shards is read from those, as a download of some of allenai/c4's 1024 shards
     (``hf download --include 'en/c4-train.0000[0-9]-of-01024.json.gz'``, the common way to use it: its en config is
-    300+ GB) needs; how many of how many is said once (rank 0), so that no partial split is read unsaid."""
+    300+ GB) needs; how many of how many is said once (rank 0) per download folder, so that no partial split is read
+    unsaid (``where`` may name two: a relative path from another working directory, a name's download here and in
+    the hub cache)."""
     from dschat.utils.dist import print_rank_0_once
 
     partial = [said for name in names if (said := _check_split_files(where, name, splits[name]))]
     if partial:
-        print_rank_0_once(("partial download", where, *partial),
+        print_rank_0_once(("partial download", where, os.path.realpath(folder), *partial),
                           f"[dschat.data] {where}: the download holds {', '.join(partial)}: reading those")
 
 

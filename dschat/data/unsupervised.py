@@ -297,7 +297,7 @@ def download_train_files(name, folder, copy, flag="--unsupervised_dataset_name")
             "is neither a save_to_disk folder nor a download of a hub dataset's repository (no train split files there)"
         raise DatasetFormatError(f"{given_as(flag, name)}: {copy} {held}: download all its files (hf download "
                                  f"--repo-type dataset {name}), or give its train file as --unsupervised_dataset_name")
-    check_download_splits(given_as(flag, name), splits, ["train"])
+    check_download_splits(given_as(flag, name), folder, splits, ["train"])
     return splits["train"]
 
 
