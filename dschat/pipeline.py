@@ -12,8 +12,8 @@ import time
 
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
-from dschat.pipeline_resume import (FRESH, RESUME, SKIP, Decision, afresh_advice, describe, outdated_outputs,
-                                    plan_steps)
+from dschat.pipeline_resume import (FRESH, RESUME, SKIP, Decision, describe, outdated_outputs, plan_steps,
+                                    refused_under_train_py)
 from dschat.run_layout import (DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR, RUN_ARGS_FILE, SFT_DIR,
                                unfinished_reason)
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
@@ -864,7 +864,7 @@ def run_step(main, argv, step, steps, plan, args):
     except UsageError as error:
         if plan[step].action != RESUME:
             raise
-        raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
+        raise refused_under_train_py(error, step, steps) from None
 
 
 def run_pipeline(args):

@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import re
 from argparse import Namespace
 from typing import NamedTuple
 
@@ -248,7 +249,7 @@ def older_checkpoint(step, steps, recipe, folder, families=None):
     try:
         check_same_step(root, tag, name)
     except UsageError as error:
-        raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
+        raise refused_under_train_py(error, step, steps) from None
     older = older_dschats_checkpoint(root, tag, name, f"Resume it with that dschat, or train step {step} afresh with "
                                                       f"this one ({afresh_flags(step, steps)})", families)
     return f"; {older}" if older else ""
@@ -285,13 +286,24 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
                 check_universal_fit(root, part, tag, get_world_size(), saved.get(flag), bound[flag], f"--{flag}",
                                     own.LESS_MEMORY)
     except UsageError as error:
-        raise UsageError(f"{error}\n{afresh_advice(step, steps)}") from None
+        raise refused_under_train_py(error, step, steps) from None
 
 
 def afresh_advice(step, steps):
     """What to give train.py to train ``step``, which --resume resumes and cannot, afresh and keep the steps before."""
     return f"(train.py --resume resumes step {step}: to train it afresh and keep the steps before it, give " \
            f"{afresh_flags(step, steps)})"
+
+
+# The close of a step's own --resume refusal that says to start afresh: "..., or start afresh without --resume",
+# "; or start afresh there without --resume (which removes ...)"
+STEP_AFRESH_CLOSE = re.compile(r"[,;] or start afresh (there )?without --resume( \([^()]*\))?$")
+
+
+def refused_under_train_py(error, step, steps):
+    """``step``'s --resume refusal ``error`` as train.py says it: the step's own "or start afresh without --resume"
+    left out for ``afresh_advice``, which names the --step to give: said after the step's, the same advice came twice."""
+    return UsageError(f"{STEP_AFRESH_CLOSE.sub('', str(error))}\n{afresh_advice(step, steps)}")
 
 
 def afresh_flags(step, steps):

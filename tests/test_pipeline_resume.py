@@ -346,7 +346,8 @@ def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by
         step_3_with(2, step2=longer)
     # another step's checkpoint in the folder: refused as the step refuses it
     state_file.write_text(json.dumps({**this_checkpoint(1)}))
-    with pytest.raises(UsageError, match=r"\(iter_0000001\) was saved by step1, not step3: (.|\n)*give --step 3 "
+    with pytest.raises(UsageError, match=r"\(iter_0000001\) was saved by step1, not step3: give step3 its own "
+                                         r"--output_dir\n\(train.py --resume resumes step 3: .*give --step 3 "
                                          r"without --resume\)$"):
         plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})
     # the DPO recipe's step 2 records itself as step2_dpo
@@ -1148,8 +1149,9 @@ def test_train_py_resume_with_offload_and_activation_checkpointing_skips_the_fin
     written = (out / "step1_sft" / "model.safetensors").stat().st_mtime_ns
     lighter = "--offload --gradient_checkpointing"
     with pytest.raises(UsageError, match=r"(?s)--offload False -> True\..*resume with the checkpoint's values.*"
-                                         r"give --step 2 without --resume"):
+                                         r"give --step 2 without --resume") as refused:
         pipeline.run_pipeline(argv(lighter, lighter, "--resume"))
+    assert str(refused.value).count("without --resume") == 1  # (train.py's line, not the step's too)
     assert latest_tag(str(out / "step2_rm" / "checkpoints")) is not None  # (kept for a resume as saved)
     capsys.readouterr()
     report = pipeline.run_pipeline(argv(lighter, "--gradient_checkpointing", "--resume"))
@@ -1235,9 +1237,12 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
     root = tmp_path / FOLDERS[1] / "checkpoints"
     with pytest.raises(UsageError, match=rf"^--resume: checkpoint step_0000001 in {root} was saved with other "
                                          r"settings: --lora_dim 0 -> 8; --dtype 'bf16' -> 'fp32'\. Its model and "
-                                         r"optimizer states .*\n\(train.py --resume resumes step 1: to train it "
-                                         r"afresh and keep the steps before it, give --step 1 2 without --resume\)$"):
+                                         r"optimizer states .*: resume with the checkpoint's values\n\(train.py "
+                                         r"--resume resumes step 1: to train it afresh and keep the steps before it, "
+                                         r"give --step 1 2 without --resume\)$") as refused:
         plan_steps([1, 2], "ppo", str(tmp_path), {1: step1("--lora_dim", "8", "--dtype", "fp32"), 2: FLAGS})
+    # (the step's own "or start afresh without --resume" left out for train.py's line: the same advice, said twice)
+    assert str(refused.value).count("without --resume") == 1
     taken = step1("--learning_rate", "1e-3", "--dropout", "0.1", "--zero_stage", "3",
                   "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "4")
     assert plan_steps([1], "ppo", str(tmp_path), {1: taken})[1] == (RESUME, "it was interrupted")
@@ -1255,6 +1260,26 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
                   "--critic_zero_stage", "2", "--per_device_training_batch_size", "2", "--gradient_accumulation_steps",
                   "2")
     assert plan_steps([3], "ppo", str(tmp_path), {3: taken})[3].action == RESUME
+
+
+def test_a_resumed_steps_own_refusal_under_train_py_says_how_to_start_afresh_once(tmp_path):
+    """A step train.py --resume resumed that refused its checkpoint once it ran (a damaged state.json) ended with the
+    step's "or start afresh without --resume" and then train.py's "give --step 2 3 without --resume": the same advice
+    twice. train.py's line, which names the steps to give, is said alone now."""
+    from dschat.pipeline_resume import Decision
+    from dschat.utils.checkpoints import check_position
+
+    root = tmp_path / FOLDERS[2] / "checkpoints"
+    args = TRAIN_PY["parse_args"](["--output-dir", str(tmp_path), "--step", "2", "3", "--resume"])
+
+    def step_2(argv):  # (the step's own check of its checkpoint's state, which holds no step)
+        check_position(str(root), "step_0000001", {}, ["step"])
+
+    with pytest.raises(UsageError, match=r"no 'step': its place in the run; edited\?\): restore it\n\(train\.py "
+                                         r"--resume resumes step 2: to train it afresh and keep the steps before it, "
+                                         r"give --step 2 3 without --resume\)$"):
+        pipeline.run_step(step_2, pipeline.step_argv(2, args, True), 2, [2, 3],
+                          {2: Decision(RESUME, "it was interrupted")}, args)
 
 
 def test_an_interrupted_step_2_resumes_with_another_sft_only_data_path_which_step_1_refuses(tmp_path):
