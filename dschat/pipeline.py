@@ -100,21 +100,21 @@ def ready_reward_model(args):
     return path if _hub_holds_reward_model(path) else None
 
 
-# ``hub_lookup_key`` (name, hub cache, offline) -> whether it is a reward model (a lookup that failed, in part too,
-# is asked again)
+# ``hub_lookup_key_of_every_rank`` (name, hub cache, offline by the user's choice) -> whether it is a reward model (a
+# lookup that failed, in part too, is asked again)
 _HUB_REWARD_MODELS = {}
 
 
 def _hub_holds_reward_model(name):
     """``hub_holds_reward_model`` decided on rank 0 (a lookup failing on one rank would give the ranks other steps),
     once per name and hub cache; False for a local path or a tiny preset."""
-    from dschat.models.loading import hub_lookup_key, looks_local
+    from dschat.models.loading import hub_lookup_key_of_every_rank, looks_local
     from dschat.models.reward_model import hub_holds_reward_model
     from dschat.tiny.presets import is_tiny_preset
 
     if looks_local(name) or is_tiny_preset(name):
         return False
-    key = hub_lookup_key(name)
+    key = hub_lookup_key_of_every_rank(name)  # (a miss is a collective: every rank must miss alike)
     if key not in _HUB_REWARD_MODELS:
         found = rank_0_decides(lambda: hub_holds_reward_model(name))
         if found is None:

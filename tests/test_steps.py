@@ -1227,6 +1227,32 @@ def test_train_py_asks_again_whether_a_hub_name_is_a_reward_model_in_another_hub
     assert pipeline.ready_reward_model(args) is None, "the other cache's answer"
 
 
+def test_train_py_keeps_whether_a_hub_name_is_a_reward_model_when_its_own_probe_turns_offline_mode_on(
+        unreachable_hub, monkeypatch):
+    """Whether a hub name is a reward model is asked on rank 0 and sent to every rank (``rank_0_decides``, a
+    collective) where a rank's memo lacks it. Keyed by HF_HUB_OFFLINE as it is now, the memo missed on a rank whose own
+    probe of the hub had turned offline mode on since (rank 0 alone, in train.py's pre-flight of hub data) while the
+    others hit it: that rank waited alone in the broadcast. Offline mode counts in the key as the user chose it only."""
+    from huggingface_hub import constants
+
+    from dschat import pipeline
+    from dschat.models import reward_model
+    from dschat.models.loading import HUB_UNREACHABLE_ENV, read_hub_cache_only_if_unreachable
+
+    name = "acme/rm-asked-before-the-hub-went-away"
+    asked = []
+    monkeypatch.setattr(reward_model, "hub_holds_reward_model", lambda n: asked.append(n) or True)
+    args = _train_py_args("--step", "3", "--reward-model", name)
+    assert pipeline.ready_reward_model(args) == name
+    assert read_hub_cache_only_if_unreachable(say=False)  # (this rank's probe failed: offline mode on, here alone)
+    assert pipeline.ready_reward_model(args) == name
+    assert asked == [name], "asked again on this rank alone: a collective its peers, whose memo holds it, do not make"
+    monkeypatch.setenv(HUB_UNREACHABLE_ENV, "")  # (offline mode as the user sets it, on every rank: asked again)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert pipeline.ready_reward_model(args) == name
+    assert asked == [name, name]
+
+
 def test_train_py_grpo_is_rewarded_by_a_trained_reward_model_and_dpo_refuses_one(tmp_path, distributed, hub_cache,
                                                                                   capsys):
     """--reward-model was silently unused by --recipe grpo and dpo, and, as no tiny preset, it turned the tiny recipe

@@ -176,6 +176,23 @@ def hub_lookup_key(name):
     return name, constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE
 
 
+def hub_lookup_key_of_every_rank(name):
+    """``hub_lookup_key`` for a memo whose miss is a collective (``rank_0_decides``), so the same on every rank:
+    offline mode counted as the user chose it (``hub_offline_by_choice``), not as dschat turned it on after its own
+    probe of the hub, which each rank makes apart (rank 0 alone in train.py's pre-flight of hub data): a rank whose
+    key so changed missed the memo where the others hit it, and waited alone in the broadcast."""
+    name, cache, _ = hub_lookup_key(name)
+    return name, cache, hub_offline_by_choice()
+
+
+def hub_offline_by_choice():
+    """Whether the hub is not asked because the user said so (HF_HUB_OFFLINE), not because dschat found it unreachable
+    (``use_hub_cache_only``)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) and not os.environ.get(HUB_UNREACHABLE_ENV)
+
+
 def _fetch_hub_model_folder(name, extra_files=()):
     """``hub_model_folder``, fetched (or read from the hub cache offline) now."""
     from transformers.utils.hub import cached_file, get_checkpoint_shard_files
@@ -245,8 +262,6 @@ def unfetchable_hub_name(name_or_path):
     once, where the hub client retries each file it looks up for half a minute before it fails. For any hub name,
     offline mode is decided first (``read_hub_cache_only_if_unreachable``): a cached model then loads from the cache
     without the hub client's retries."""
-    from huggingface_hub import constants
-
     not_cached = hub_name_not_cached(name_or_path)
     if is_hub_name(name_or_path):
         # (quietly for a name the cache lacks: the error returned says why, and the notice would say it twice)
@@ -254,8 +269,7 @@ def unfetchable_hub_name(name_or_path):
     why = not_cached and hub_unavailable()
     if not why:
         return None
-    offline_by_choice = constants.HF_HUB_OFFLINE and not os.environ.get(HUB_UNREACHABLE_ENV)
-    advice = ("or download the model first" if offline_by_choice else
+    advice = ("or download the model first" if hub_offline_by_choice() else
               "or the network (HF_HUB_OFFLINE=1 reads the hub cache without asking the hub)")
     return (f"{name_or_path}: no such folder here, nor a model of that name in the Hugging Face hub cache, and {why}: "
             f"check the name or path, {advice}")
