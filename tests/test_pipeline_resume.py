@@ -348,7 +348,7 @@ def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by
     state_file.write_text(json.dumps({**this_checkpoint(1)}))
     with pytest.raises(UsageError, match=r"\(iter_0000001\) was saved by step1, not step3: give step3 its own "
                                          r"--output_dir\n\(train.py --resume resumes step 3: .*give --step 3 "
-                                         r"without --resume\)$"):
+                                         r"without --resume, which removes the checkpoints in step 3's folder\)$"):
         plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})
     # the DPO recipe's step 2 records itself as step2_dpo
     dpo_root = tmp_path / "step2_dpo" / "checkpoints"
@@ -818,7 +818,8 @@ def test_train_py_resume_skips_finished_steps_and_resumes_the_interrupted_one(tm
     # a bound flag changed for the step being resumed: how to start it afresh and keep the steps before it
     with pytest.raises(UsageError, match=r"(?s)saved with other settings: --seed 1234 -> 7.*\(train.py --resume "
                                          r"resumes step 3: to train it afresh and keep the steps before it, give "
-                                         r"--step 3 without --resume\)"):
+                                         r"--step 3 without --resume, which removes the checkpoints in step 3's "
+                                         r"folder\)"):
         pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--step3-args", step3 + " --seed 7", "--resume"]))
     capsys.readouterr()
     report = pipeline.run_pipeline(TRAIN_PY["parse_args"]([*small, "--step3-args", step3, "--resume"]))
@@ -1239,7 +1240,8 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
                                          r"settings: --lora_dim 0 -> 8; --dtype 'bf16' -> 'fp32'\. Its model and "
                                          r"optimizer states .*: resume with the checkpoint's values\n\(train.py "
                                          r"--resume resumes step 1: to train it afresh and keep the steps before it, "
-                                         r"give --step 1 2 without --resume\)$") as refused:
+                                         r"give --step 1 2 without --resume, which removes the checkpoints in step 1's "
+                                         r"folder\)$") as refused:
         plan_steps([1, 2], "ppo", str(tmp_path), {1: step1("--lora_dim", "8", "--dtype", "fp32"), 2: FLAGS})
     # (the step's own "or start afresh without --resume" left out for train.py's line: the same advice, said twice)
     assert str(refused.value).count("without --resume") == 1
@@ -1265,7 +1267,9 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
 def test_a_resumed_steps_own_refusal_under_train_py_says_how_to_start_afresh_once(tmp_path):
     """A step train.py --resume resumed that refused its checkpoint once it ran (a damaged state.json) ended with the
     step's "or start afresh without --resume" and then train.py's "give --step 2 3 without --resume": the same advice
-    twice. train.py's line, which names the steps to give, is said alone now."""
+    twice. train.py's line, which names the steps to give, is said alone now, and says what the step's said too
+    ("which removes them" of a damaged latest pointer; "which removes step1's checkpoints" of another step's): giving
+    those flags removes the checkpoints in the step's folder."""
     from dschat.pipeline_resume import Decision
     from dschat.utils.checkpoints import check_position
 
@@ -1277,7 +1281,8 @@ def test_a_resumed_steps_own_refusal_under_train_py_says_how_to_start_afresh_onc
 
     with pytest.raises(UsageError, match=r"no 'step': its place in the run; edited\?\): restore it\n\(train\.py "
                                          r"--resume resumes step 2: to train it afresh and keep the steps before it, "
-                                         r"give --step 2 3 without --resume\)$"):
+                                         r"give --step 2 3 without --resume, which removes the checkpoints in step 2's "
+                                         r"folder\)$"):
         pipeline.run_step(step_2, pipeline.step_argv(2, args, True), 2, [2, 3],
                           {2: Decision(RESUME, "it was interrupted")}, args)
 
