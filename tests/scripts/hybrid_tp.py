@@ -236,11 +236,12 @@ def check_repetition_penalty(engine, reference, ids, mask, rank, world):
 def check_too_long_fails_on_every_rank(engine, ids, mask, eos):
     """Rank 1's prompts (7 tokens) + 58 new ones exceed max_out_tokens=64, rank 0's (6) do not: the group decides
     together, or rank 0 would wait forever in the collective rank 1 never reaches. Rank 1 says why, rank 0 that
-    another rank refused."""
+    rank 1 refused."""
     try:
         engine.generate(ids, attention_mask=mask, max_new_tokens=58, eos_token_id=eos)
     except ValueError as error:
-        expected = "exceeds hybrid_engine.max_out_tokens=64" if dist.get_rank() else "another rank refused"
+        expected = "exceeds hybrid_engine.max_out_tokens=64" if dist.get_rank() else \
+            "another rank, rank 1 (the lowest if several), refused its arguments"
         assert expected in str(error), error
     else:
         raise AssertionError("the group's longest prompt + 58 new tokens exceed max_out_tokens: must fail everywhere")
