@@ -839,18 +839,20 @@ def resume_plan(steps, args, parsed, tiny):
     # step 3 records its flags completed with their defaults (its per-model ZeRO stages from --zero_stage)
     parsed = {step: step3_args(flags) if step == 3 else flags for step, flags in parsed.items()}
     ready = ready_reward_model(args) is not None
+    # (every rank builds them: step 3's asks whether a hub name is a reward model, a meeting of the ranks where the
+    # answer is not kept (a lookup that failed), which rank 0 alone, inside rank_0_decides, would make unpaired)
+    argvs = {step: step_argv(step, args, tiny) for step in steps}
     # (a step's refusal names the flags as train.py's user typed them, as the step's own errors do)
     plan = rank_0_decides(lambda: plan_steps(steps, recipe, args.output_dir, parsed,
                                              rm_from_sft=reward_model_from_sft(args, tiny),
                                              ready_reward_model=ready,
-                                             errors_of=lambda step: says_train_py_flags(
-                                                 step, args, step_argv(step, args, tiny))))
+                                             errors_of=lambda step: says_train_py_flags(step, args, argvs[step])))
     folders = [os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step]) for step in steps]
     if not any(os.path.isdir(folder) for folder in folders):  # (a mistyped --output-dir trains everything again)
         print_rank_0(f"train.py --resume: {args.output_dir} holds no earlier run's steps; every step starts afresh")
     for step, decision in plan.items():  # (its flags as train.py's user typed them, as in a refusal)
         line = describe(step, decision, os.path.join(args.output_dir, RECIPE_STEP_FOLDERS[recipe][step]))
-        print_rank_0(in_train_py_spelling(line, step, args, step_argv(step, args, tiny)))
+        print_rank_0(in_train_py_spelling(line, step, args, argvs[step]))
     return plan
 
 

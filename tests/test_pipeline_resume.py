@@ -1667,3 +1667,31 @@ def test_a_step3_output_of_version_1_trains_again_only_where_it_kept_an_ema_or_m
     assert older_step_version(1, "step3", "state.json", "checkpoint", "", spared) is not None
     assert older_step_version(1, "step3", "training_args.json", "output", "", spared,
                               str(tmp_path / FOLDERS[3])) is None
+
+
+def test_train_py_resume_plans_with_no_meeting_of_the_ranks_that_rank_0_makes_alone(tmp_path, monkeypatch):
+    """The plan is decided on rank 0 (``rank_0_decides``, a broadcast the other ranks wait in), and its refusals built
+    each step's command line there: step 3's asks whether a hub name is a reward model, itself a ``rank_0_decides``
+    where no answer is kept (a lookup that failed). Rank 0's inner broadcast then paired with the others' outer one:
+    they took its answer for the plan, and rank 0 waited for ever. Every rank builds the command lines first now."""
+    import dschat.models.reward_model as reward_model
+    from dschat.args import step3_parser
+
+    args = TRAIN_PY["parse_args"](["--output-dir", str(tmp_path), "--step", "3", "--reward-model", "someorg/some-rm",
+                                   "--resume"])
+    monkeypatch.setattr(reward_model, "hub_holds_reward_model", lambda name: None)  # (failed: not kept)
+    depth, nested = [0], []
+
+    def rank_0_decides(decide, patience=None):  # (records a meeting made inside another)
+        nested.extend(depth[:1] if depth[0] else [])
+        depth[0] += 1
+        try:
+            return decide()
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(pipeline, "rank_0_decides", rank_0_decides)
+    flags = step3_parser().parse_args(pipeline.step_argv(3, args, False))
+    pipeline.resume_plan([3], args, {3: flags}, False)
+    assert nested == []
+
