@@ -303,7 +303,8 @@ STEP_AFRESH_CLOSE = re.compile(r"[,;] or start afresh (there )?without --resume(
 
 def refused_under_train_py(error, step, steps):
     """``step``'s --resume refusal ``error`` as train.py says it: the step's own "or start afresh without --resume"
-    left out for ``afresh_advice``, which names the --step to give: said after the step's, the same advice came twice."""
+    left out for ``afresh_advice``, which names the --step to give: said after the step's, the same advice came
+    twice."""
     return UsageError(f"{STEP_AFRESH_CLOSE.sub('', str(error))}\n{afresh_advice(step, steps)}")
 
 
