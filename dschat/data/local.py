@@ -441,11 +441,11 @@ def file_digest(path):
 
 
 class HashedFile(collections.namedtuple("HashedFile", "sha256 stamp head", defaults=(None,))):
-    """A file's sha256 and the stamp (``FileStamp``) of the file open when it was found, None where the file was not
-    opened (a hub blob, named by its hash): what the stamp says (its size, that the file is not written since) needs
-    no other stat or open of it. ``head``: its first HEAD_BYTES, read in that open (None where not read), so a load
-    tells its compression and text encoding by them (``compressed_with``, ``text_encoding``), not by opens of its
-    own."""
+    """A file's sha256 (None from ``shared_digest`` where no hash is kept) and the stamp (``FileStamp``) of the file
+    open when it was found, None where the file was not opened (a hub blob, named by its hash): what the stamp says
+    (its size, that the file is not written since) needs no other stat or open of it. ``head``: its first HEAD_BYTES,
+    read in that open (None where not read), so a load tells its compression and text encoding by them
+    (``compressed_with``, ``text_encoding``), not by opens of its own."""
 
 
 def file_digest_and_stamp(path):
@@ -1073,9 +1073,9 @@ def check_download_splits(where, folder, splits, names):
     (``_check_split_files``; ``where``: the data as its errors name it, after its flag). A split of which the download
     holds only some numbered shards is read from those, as a download of some of allenai/c4's 1024 shards
     (``hf download --include 'en/c4-train.0000[0-9]-of-01024.json.gz'``, the common way to use it: its en config is
-    300+ GB) needs; how many of how many is said once (rank 0) per download folder, so that no partial split is read
-    unsaid (``where`` may name two: a relative path from another working directory, a name's download here and in
-    the hub cache)."""
+    300+ GB) needs; how many of how many is said once (rank 0) per download folder and name given, so that no partial
+    split is read unsaid (``where`` may name two: a relative path from another working directory, a name's download
+    here and in the hub cache)."""
     from dschat.utils.dist import print_rank_0_once
 
     partial = [said for name in names if (said := _check_split_files(where, name, splits[name]))]
@@ -1626,6 +1626,7 @@ def check_compression_read(kind, path, where=None, head=None):
 # datasets' cache beside the kept hashes: the check reads ~50 MB of text a second, and read it again every run where
 # datasets' load is its Arrow cache's (allenai/c4's en, ~800 GB of text: ~5 h of CPU a process). JSON_CHECK_VERSION:
 # bumped when what the checks accept, or what they give (``_check_as_kept``), changes, so an older pass is not taken.
+# (By hand, not by the code's digest as a split's records' pass: every edit of dschat.data would check c4 again.)
 JSON_CHECK_MEMO_FOLDER, JSON_CHECK_VERSION = "dschat_json_checked", 1
 
 
@@ -1655,7 +1656,7 @@ def checked_json(kind, path, key_orders, hashed):
                 if shared.stamp != hashed.stamp:  # (written since it was hashed: the hash is of other content)
                     return record_lines, file_digest_and_stamp(path)
                 if shared.sha256 == digest:
-                    _keep_json_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
+                    _keep_passed_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
                 return record_lines, hashed
     key_orders.add_kept(kept["key_orders"])
     return _record_lines_kept(kept["lines"], path), hashed
@@ -1698,7 +1699,7 @@ def _kept_json_check(memo):
     return kept if isinstance(kept, dict) and {"lines", "key_orders"} <= kept.keys() else None
 
 
-def _keep_json_check(memo, path, stamp, kept):
+def _keep_passed_check(memo, path, stamp, kept):
     """Write a passed check (a JSON file's; a split's records', ``path`` its first file) at ``memo`` whole
     (``atomic_file``), the file's path and ``stamp`` (None: the file's now) on its second line, as a kept hash's, for
     pruning to remove it once the file is gone or written (``prune_kept_digests``; a copy of the content elsewhere then
@@ -2648,7 +2649,7 @@ class LocalDataset(PromptRawDataset):
                 return
             self._validate(data, where, record_lines)
             if _hashes_shared(paths, digests):
-                _keep_json_check(memo, paths[0], None, {"passed": True})
+                _keep_passed_check(memo, paths[0], None, {"passed": True})
 
     def _validate(self, data, path, record_lines):
         """Read every record through the accessors once, so a bad one fails now, with its location."""
