@@ -107,7 +107,8 @@ _HUB_REWARD_MODELS = {}
 
 def _hub_holds_reward_model(name):
     """``hub_holds_reward_model`` decided on rank 0 (a lookup failing on one rank would give the ranks other steps),
-    once per name and hub cache; False for a local path or a tiny preset."""
+    once per name, hub cache and offline mode as the user set it (``hub_lookup_key_of_every_rank``); False for a local
+    path or a tiny preset."""
     from dschat.models.loading import hub_lookup_key_of_every_rank, looks_local
     from dschat.models.reward_model import hub_holds_reward_model
     from dschat.tiny.presets import is_tiny_preset

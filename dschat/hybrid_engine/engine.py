@@ -374,10 +374,8 @@ class HybridEngine:
             replaced_on, = _ranks_agree_on("train()", [replaced is None], self._engine.device)
         elif self.tp is not None:
             replaced_on, = _ranks_agree_on("train()", [replaced is None], self._engine.device, self.tp.group)
-        if replaced is not None:
-            _refuse_replaced(replaced)
-        if replaced_on is not None:
-            _refuse_replaced(None, on_rank=replaced_on)
+        if replaced is not None or replaced_on is not None:
+            _refuse_replaced(replaced, on_rank=replaced_on)
 
     def _end_train_phase(self, now):
         if self._train_start is not None and self._iteration is not None:

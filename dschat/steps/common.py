@@ -578,9 +578,9 @@ def older_step_version(then, name, where, made, remedy, record=None, folder=None
     it but one of other families than its models'; ``folder``: an output's, whose models' families a change of some
     families alone is judged by; ``families``: those, where known otherwise, a checkpoint's): the words to say of it
     ("of a dschat from before ...", "an older dschat's (...)"), None where it is this dschat's or no change since
-    reaches it (an output recording null: ``kept_null_output``). A newer dschat's (or a value no dschat records) is a UsageError naming ``where``, with
-    ``remedy``: what to do instead. ``null``: whether ``where`` records ``then`` None as null, not without the key
-    (None: whether ``record`` holds the key)."""
+    reaches it (an output recording null: ``kept_null_output``). A newer dschat's (or a value no dschat records) is a
+    UsageError naming ``where``, with ``remedy``: what to do instead. ``null``: whether ``where`` records ``then`` None
+    as null, not without the key (None: whether ``record`` holds the key)."""
     now = STEP_VERSIONS.get(name)
     if then is None:
         null = STEP_VERSION in (record or {}) if null is None else null
