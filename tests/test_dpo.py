@@ -393,6 +393,8 @@ def _report_stand_ins(monkeypatch, loaded=None):
     ``loaded`` gets each load's add_eot_token), the generation and the scoring; its prompt loader stays the test's."""
     from types import SimpleNamespace
 
+    import dschat.tools.ppo_eval  # noqa: F401 (before the patches: it copies the names, and kept the stand-ins)
+
     monkeypatch.setattr("dschat.tools.common.load_policy", lambda path, device, add_eot_token=False: (
         (loaded if loaded is not None else []).append(add_eot_token) or SimpleNamespace(device=device),
         SimpleNamespace(eos_token_id=2)))
