@@ -5083,6 +5083,31 @@ def test_hf_generate_syncs_a_zero3_model_on_several_ranks_when_the_caller_leaves
     assert synced_gpus(2, partitioned=False) == {False}
 
 
+@pytest.mark.parametrize("family", ["llama", "rwkv"])
+@pytest.mark.parametrize("synced_gpus", [None, True])
+def test_hf_generate_refuses_a_batch_of_no_row_by_name(family, synced_gpus, monkeypatch):
+    """A batch of no row failed deep in the model's forward (Llama: "cannot reshape tensor of 0 elements"), and under
+    ``synced_gpus`` such a rank's spare calls took its first row, of which there is none. dschat's callers never make
+    one (step 3 refuses it; the held-out loaders give every rank at least one row a batch): a clear error says so."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.errors import UsageError
+    from dschat.rlhf import trainer
+    from dschat.rlhf.trainer import hf_generate
+
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2))
+    else:
+        model = tiny_rwkv()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    monkeypatch.setattr(trainer, "all_reduce", lambda t, op: t.fill_(2))  # (a peer makes 2 calls)
+    ids = torch.zeros(0, 3, dtype=torch.long)
+    with torch.no_grad(), pytest.raises(UsageError, match=r"a batch of no prompt \(input_ids \(0, 3\)\)"):
+        hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                                      pad_token_id=0, synced_gpus=synced_gpus)
+
+
 @pytest.mark.parametrize("where", ["call", "generation_config"])
 def test_rows_generated_without_their_padding_get_the_new_tokens_a_max_length_gives_the_batch(where):
     """HF's ``max_length`` counts the prompt, padding included: a padded row of an actor whose outputs left padding

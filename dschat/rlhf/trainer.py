@@ -268,7 +268,8 @@ def hf_generate(model, tokenizer):
     """``model``'s HF ``generate`` choosing no id the tokenizer has no token for (``untokenized_ids``, as the hybrid
     engine leaves them out), its arguments built at each call from the tokenizer as it is now: the one path of step 3's
     rollouts without the hybrid engine, its held-out evaluation and the tools' ``evaluate_policy`` (they score as step
-    3 does). ``synced_gpus`` unsaid is said to HF as the model needs (``synced_as_the_model_needs``)."""
+    3 does). ``synced_gpus`` unsaid is said to HF as the model needs (``synced_as_the_model_needs``); a batch of no
+    row is refused (``check_rows_to_generate``)."""
     suppressed = suppress_untokenized(model, tokenizer)
     generate = functools.partial(model.generate, **suppressed) if suppressed else model.generate
     if keeps_states_in_modules(model):
@@ -283,7 +284,20 @@ def synced_as_the_model_needs(model, generate, input_ids, synced_gpus=None, **kw
     is alive, which dschat's loaders let go once the model is built (``model_load_context``): a ZeRO-3 model on
     several ranks generated unsynced, and the ranks hung once one's answers ended first (``evaluate_policy`` called
     without ``synced_gpus``)."""
+    check_rows_to_generate(input_ids)
     return generate(input_ids, synced_gpus=syncs_ranks(model, synced_gpus), **kwargs)
+
+
+def check_rows_to_generate(input_ids):
+    """A ``UsageError`` for a batch of no row: HF generate cannot run on one (the model's forward fails deep inside,
+    e.g. Llama's attention reshape), nor could such a rank keep in step with its peers under ``synced_gpus`` (its
+    spare calls take its first row). dschat's callers never make one: step 3 refuses it (``check_prompt_shapes``),
+    and the held-out loaders on several ranks give every rank as many batches, each of at least one row
+    (``distributed_eval_loader``: the ranks' shares padded with repeats)."""
+    if input_ids is not None and input_ids.shape[0] == 0:  # (None: HF generates from BOS)
+        raise UsageError(f"hf_generate: a batch of no prompt (input_ids {tuple(input_ids.shape)}): give each call, "
+                         f"on every rank, at least one row (several ranks: share the prompts with "
+                         f"dschat.data.samplers.distributed_eval_loader, which pads each rank's share)")
 
 
 def from_fresh_module_states(model, generate, input_ids, **kwargs):
@@ -309,7 +323,7 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     pad_id = kwargs.get("pad_token_id", getattr(model.generation_config, "pad_token_id", None))
     synced = syncs_ranks(model, kwargs.get("synced_gpus"))
     lengths = left_padded_lengths(attention_mask) if pad_id is not None else None
-    if lengths is None or not len(lengths):  # (no row: nothing to take apart)
+    if lengths is None:
         warn_of_padded_generation(model, attention_mask)
         return generate_in_step_with_other_ranks(generate, [(input_ids, attention_mask)], synced, kwargs)[0]
     width = input_ids.shape[1]
