@@ -5083,6 +5083,33 @@ def test_hf_generate_syncs_a_zero3_model_on_several_ranks_when_the_caller_leaves
     assert synced_gpus(2, partitioned=False) == {False}
 
 
+def test_hf_generate_leaves_a_plain_model_unsynced_while_an_hf_deepspeed_config_lives(monkeypatch):
+    """``syncs_ranks`` also asked HF's ``is_deepspeed_zero3_enabled()``, true while an HfDeepSpeedConfig is alive in
+    the process: a model loaded without ZeRO (a policy of the tools, a reward model loaded plain) synced on several
+    ranks where one outlived its load, which may be on one rank alone (kept in a cycle until that rank's garbage
+    collection), and that rank waited in HF's per-step all-reduce for peers that never came. Now the model alone
+    decides: partitioned (ZeRO-3) or FSDP-managed, on several ranks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.models.loading import model_load_context
+    from dschat.rlhf import trainer
+    from dschat.rlhf.trainer import hf_generate
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    said = []
+    model.generate = lambda input_ids, synced_gpus="unsaid", **kw: said.append(synced_gpus) or input_ids
+    monkeypatch.setattr(trainer, "get_world_size", lambda: 2)
+    alive = model_load_context({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        hf_generate(model, tokenizer)(torch.tensor([[10, 11]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                                      max_new_tokens=2, pad_token_id=0)
+    finally:
+        del alive  # (as dschat's loaders: gone, for the other tests)
+    assert said == [False]
+
+
 @pytest.mark.parametrize("family", ["llama", "rwkv"])
 @pytest.mark.parametrize("synced_gpus", [None, True])
 def test_hf_generate_refuses_a_batch_of_no_row_by_name(family, synced_gpus, monkeypatch):

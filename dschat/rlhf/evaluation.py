@@ -28,10 +28,10 @@ def rule_scorer_for(data_path):
 def generate_answers(generate, prompts, mask, max_new_tokens, eos_token_id, pad_token_id, synced_gpus=None):
     """Greedy answers (ids and masks) from a ``generate`` callable with HF's keyword arguments.
 
-    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all have finished (HF generate needs it); None: HF's
-    default (ZeRO-3 or FSDP on several ranks; ``hf_generate`` sees ZeRO-3 by the model's partitioned parameters,
-    ``trainer.synced_as_the_model_needs``), not False, which hangs a ZeRO-3 model on several ranks whose answers end
-    at different steps.
+    ``synced_gpus`` keeps ZeRO-3 ranks stepping together until all have finished (HF generate needs it); None: as
+    the model needs (``hf_generate``: ZeRO-3, seen by the model's partitioned parameters, or FSDP, on several ranks,
+    ``trainer.syncs_ranks``), not False, which hangs a ZeRO-3 model on several ranks whose answers end at different
+    steps.
     """
     seq = generate(prompts, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, synced_gpus=synced_gpus)

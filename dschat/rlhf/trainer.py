@@ -363,17 +363,18 @@ def with_the_batchs_new_token_counts(model, kwargs, width):
 
 def syncs_ranks(model, synced_gpus):
     """Whether HF generate keeps the ranks stepping together (``synced_gpus``: every forward a collective): as the
-    caller says, else HF's default (ZeRO-3 or FSDP on several ranks), ZeRO-3 seen by the model's partitioned
-    parameters too (HF's sees it only while an HfDeepSpeedConfig is alive; ``synced_as_the_model_needs`` tells HF
-    this answer). Ranks must make as many calls exactly where HF syncs them, and agreeing on that count is a
-    collective that a rank generating alone (HF not syncing) must not make."""
+    caller says, else where ``model``'s forwards are collectives: ZeRO-3 (its parameters partitioned: DeepSpeed
+    converts every one, persistent ones too) or FSDP, on several ranks (``synced_as_the_model_needs`` tells HF this
+    answer). Not HF's ``is_deepspeed_zero3_enabled()``: it says whether an HfDeepSpeedConfig is alive in this process,
+    not whether this model is partitioned, so a plain model (a policy loaded without ZeRO) synced where one outlived a
+    load, and on one rank alone (garbage collected later there) that rank waited for peers that never came. Ranks must
+    make as many calls exactly where HF syncs them, and agreeing on that count is a collective that a rank generating
+    alone (HF not syncing) must not make."""
     if synced_gpus is not None:
         return bool(synced_gpus)
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
     from transformers.integrations.fsdp import is_fsdp_managed_module
 
-    zero3 = is_deepspeed_zero3_enabled() or holds_zero3_params(model)
-    return (zero3 or is_fsdp_managed_module(model)) and get_world_size() > 1
+    return (holds_zero3_params(model) or is_fsdp_managed_module(model)) and get_world_size() > 1
 
 
 def generate_in_step_with_other_ranks(generate, calls, synced, kwargs):
