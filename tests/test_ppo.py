@@ -5083,6 +5083,39 @@ def test_hf_generate_syncs_a_zero3_model_on_several_ranks_when_the_caller_leaves
     assert synced_gpus(2, partitioned=False) == {False}
 
 
+def test_hf_generate_says_synced_gpus_only_to_a_generate_that_takes_it(monkeypatch):
+    """hf_generate passed ``synced_gpus`` to every model's generate, from the tools on one rank too: a remote-code
+    model whose own generate takes no such argument (nor ``**kwargs``) failed with a TypeError at every call. Now it
+    is said only where generate takes it; where the ranks must sync (ZeRO-3 on several ranks) and it cannot, a
+    clear error names the model's class."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.errors import UsageError
+    from dschat.rlhf import trainer
+    from dschat.rlhf.trainer import hf_generate
+
+    class OwnGenerate(LlamaForCausalLM):  # (a remote-code model's generate, with its own fixed arguments)
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=20, do_sample=False, pad_token_id=None):
+            return super().generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                    do_sample=do_sample, pad_token_id=pad_token_id)
+
+    model = OwnGenerate(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=2))
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    ids, call = torch.tensor([[10, 11, 12]]), dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        alone = LlamaForCausalLM.generate(model, ids, **call)
+        assert torch.equal(hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), **call), alone)
+        assert torch.equal(hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), synced_gpus=False,
+                                                         **call), alone)
+        with pytest.raises(UsageError, match=r"OwnGenerate\.generate takes no synced_gpus.*--actor_zero_stage 2"):
+            hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), synced_gpus=True, **call)
+        monkeypatch.setattr(trainer, "get_world_size", lambda: 2)
+        next(model.parameters()).ds_id = 0  # (ZeRO-3 on 2 ranks, synced_gpus unsaid: it must sync)
+        with pytest.raises(UsageError, match=r"OwnGenerate\.generate takes no synced_gpus"):
+            hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), **call)
+
+
 def test_hf_generate_leaves_a_plain_model_unsynced_while_an_hf_deepspeed_config_lives(monkeypatch):
     """``syncs_ranks`` also asked HF's ``is_deepspeed_zero3_enabled()``, true while an HfDeepSpeedConfig is alive in
     the process: a model loaded without ZeRO (a policy of the tools, a reward model loaded plain) synced on several

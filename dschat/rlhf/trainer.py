@@ -3,6 +3,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import inspect
 import time
 from collections.abc import Mapping
 
@@ -283,9 +284,31 @@ def synced_as_the_model_needs(model, generate, input_ids, synced_gpus=None, **kw
     ZeRO-3 model by its partitioned parameters. HF's own default (None) sees ZeRO-3 only while an HfDeepSpeedConfig
     is alive, which dschat's loaders let go once the model is built (``model_load_context``): a ZeRO-3 model on
     several ranks generated unsynced, and the ranks hung once one's answers ended first (``evaluate_policy`` called
-    without ``synced_gpus``)."""
+    without ``synced_gpus``). Said only to a ``generate`` that takes it (``synced_gpus_said``)."""
     check_rows_to_generate(input_ids)
-    return generate(input_ids, synced_gpus=syncs_ranks(model, synced_gpus), **kwargs)
+    return generate(input_ids, **synced_gpus_said(model, syncs_ranks(model, synced_gpus)), **kwargs)
+
+
+def synced_gpus_said(model, synced):
+    """``{"synced_gpus": synced}`` where ``model``'s generate takes it (transformers' does; a remote-code model's own
+    generate may not, and failed with a TypeError at every call, from the tools on one rank too); ``{}`` where it
+    does not and the ranks need no syncing; a ``UsageError`` naming the model's class where they do: such a
+    generate cannot keep ZeRO-3 ranks stepping together (unsynced, they hang once one's answers end first)."""
+    if takes_keyword(model.generate, "synced_gpus"):
+        return {"synced_gpus": synced}
+    if synced:
+        raise UsageError(f"{type(model).__name__}.generate takes no synced_gpus (nor **kwargs), which ZeRO-3 on "
+                         f"several ranks needs: each forward gathers the weights from every rank, so a rank whose "
+                         f"answers end first must keep stepping with the others. Generate on one rank, or without "
+                         f"ZeRO-3 for this model (step 3: --actor_zero_stage 2, or --enable_hybrid_engine, whose "
+                         f"generation is its own)")
+    return {}
+
+
+def takes_keyword(fn, name):
+    """Whether ``fn`` can be called with the keyword argument ``name``: a parameter of that name, or ``**kwargs``."""
+    params = inspect.signature(fn).parameters
+    return any(p.kind == p.VAR_KEYWORD or (n == name and p.kind != p.POSITIONAL_ONLY) for n, p in params.items())
 
 
 def check_rows_to_generate(input_ids):
@@ -321,7 +344,7 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     (``decodes_rows_apart``), so that its unpadded rows' answers are each row's own."""
     together = decodes_rows_apart(model)  # (first: its mends serve the batch generated as it is too)
     pad_id = kwargs.get("pad_token_id", getattr(model.generation_config, "pad_token_id", None))
-    synced = syncs_ranks(model, kwargs.get("synced_gpus"))
+    synced = bool(kwargs.get("synced_gpus"))  # (``synced_as_the_model_needs``'s word: left out, the ranks need none)
     lengths = left_padded_lengths(attention_mask) if pad_id is not None else None
     if lengths is None:
         warn_of_padded_generation(model, attention_mask)
