@@ -43,3 +43,25 @@ def test_eval_or_generate_on_one_rank_alone_stops_every_rank_and_a_write_on_rank
                      "surgery undone: in step", "surgery before train(): refused", "lone generate: out of step at "
                      "train()", "ALL OK"):
             assert f"rank {rank} {line}" in proc.stdout, (rank, line, proc.stdout[-3000:])
+
+
+@pytest.mark.multirank
+def test_recurrent_rows_answer_as_alone_under_zero3_without_pinned_parameters_on_ranks_of_other_prompt_lengths(
+        tmp_path):
+    """ZeRO-3 on 2 ranks with hybrid_engine.pin_parameters off (each forward gathers the weights: a collective): a
+    RecurrentGemma actor's left-padded batch decoded as it was, warned of, its padded rows answering otherwise than
+    alone (its recurrence reads no mask). tests/scripts/hybrid_zero3_recurrent.py: each rank decodes the rows of each
+    prompt length together without their padding, as one rank does, and makes spare decodes while the other rank has
+    more lengths (2 and 4: without them the ranks hang); greedy answers as alone, with an EOS too; a rank whose batch
+    decodes as it is (no padding; a hole, warned of) beside one of 4 lengths; the spare decodes leave the sampling
+    generator as they found it. The timeout turns a hang into a failure."""
+    proc = run_deepspeed(Path(__file__).parent / "scripts" / "hybrid_zero3_recurrent.py", "--folder",
+                         tmp_path / "recurrent_gemma", timeout=300)
+    for rank in (0, 1):
+        for line in ("rows answer as alone", "rows answer as alone with an EOS", "a batch as it is beside prompt "
+                     "lengths", "spare decodes leave the generator alone"):
+            assert f"rank {rank} {line}: OK" in proc.stdout, (rank, line, proc.stdout[-3000:])
+    # warned of once, at rank 0's holed batch (the one it decodes as it is): its padded batches before went apart
+    warning = "warning: the actor on RecurrentGemmaForCausalLM generates from left-padded prompts"
+    assert proc.stdout.count(warning) == 1, proc.stdout[-3000:]
+    assert proc.stdout.index(warning) > proc.stdout.index("rank 0 rows answer as alone with an EOS: OK")

@@ -5016,8 +5016,8 @@ def test_under_synced_gpus_padded_rows_generate_apart_and_a_rank_makes_as_many_c
     rank, after agreeing with the others on the most calls any makes (here a peer said to make 3: the all-reduce
     stood in for), and makes the calls it lacks on one row, discarding them. One process; the 2-rank run:
     ``test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone``."""
-    from dschat.rlhf import trainer
     from dschat.rlhf.trainer import hf_generate
+    from dschat.utils import dist
 
     model = tiny_rwkv()
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
@@ -5025,7 +5025,7 @@ def test_under_synced_gpus_padded_rows_generate_apart_and_a_rank_makes_as_many_c
     ids, mask = _left_padded(prompts, 4)
     call = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     agreed = []
-    monkeypatch.setattr(trainer, "all_reduce", lambda t, op: agreed.append((t.tolist(), op)) or t.fill_(3))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op: agreed.append((t.tolist(), op)) or t.fill_(3))
     with torch.no_grad():
         alone = [model.generate(torch.tensor([p]), **call)[0, len(p):] for p in prompts]
         batches, generate = [], model.generate

@@ -332,27 +332,33 @@ def _result(sequences, lengths, logprobs, return_lengths):
     return sequences if logprobs is None else (sequences, logprobs)
 
 
-def decoded_by_prompt_length(decode, input_ids, prompt_lengths, pad_token_id):
-    """The ``Generation`` of LEFT-padded ``input_ids`` made by ``decode(ids, mask)`` (a ``Generation``) for each set
-    of rows of one prompt length (``prompt_lengths``, (B,)) without their padding, as each row's generation alone: a
-    model whose recurrence reads no mask (``LEFT_PADDING_MOVES_SCORES``) answers a padded prompt otherwise. Put
-    together as one decode of the batch returns it: (B, P + n) sequences, the prompts as given, then each row's
-    answer, then pad; each row's generated length; the (B, n) log-probs (if asked for), 0 after a row's end."""
+def prompt_length_groups(input_ids, prompt_lengths):
+    """(rows, their prompts without the padding) for each prompt length of LEFT-padded ``input_ids``
+    (``prompt_lengths``, (B,)), the lengths ascending: the same order on every rank of a group. Each set of rows
+    decoded apart, without its padding, answers as each row alone: a model whose recurrence reads no mask
+    (``LEFT_PADDING_MOVES_SCORES``) answers a padded prompt otherwise."""
     width = input_ids.shape[1]
-    parts = []
-    for length in prompt_lengths.unique().tolist():  # (ascending: the same order on every rank of a group)
+    groups = []
+    for length in prompt_lengths.unique().tolist():
         rows = (prompt_lengths == length).nonzero().flatten()
-        ids = input_ids[rows, width - length:]
-        parts.append((rows, length, decode(ids, torch.ones_like(ids))))
-    n = max(part.sequences.shape[1] - length for _, length, part in parts)
+        groups.append((rows, input_ids[rows, width - length:]))
+    return groups
+
+
+def joined_generations(input_ids, groups, generations, pad_token_id):
+    """The ``Generation`` of LEFT-padded ``input_ids`` from each of ``prompt_length_groups``' ``generations``, as one
+    decode of the batch returns it: (B, P + n) sequences, the prompts as given, then each row's answer, then pad; each
+    row's generated length; the (B, n) log-probs (if asked for), 0 after a row's end."""
+    width = input_ids.shape[1]
+    n = max(part.sequences.shape[1] - ids.shape[1] for (_, ids), part in zip(groups, generations))
     sequences = input_ids.new_full((input_ids.shape[0], width + n), pad_token_id)
     sequences[:, :width] = input_ids
     lengths = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-    with_logprobs = parts[0][2].logprobs is not None
+    with_logprobs = generations[0].logprobs is not None
     logprobs = torch.zeros((input_ids.shape[0], n), dtype=torch.float32, device=input_ids.device) \
         if with_logprobs else None
-    for rows, length, part in parts:
-        answers = part.sequences[:, length:]
+    for (rows, ids), part in zip(groups, generations):
+        answers = part.sequences[:, ids.shape[1]:]
         sequences[rows, width:width + answers.shape[1]] = answers
         lengths[rows] = part.lengths.to(lengths.dtype)
         if with_logprobs:

@@ -29,6 +29,7 @@ train phase (which every rank calls together there): a copy stale on one rank (a
 """
 import contextlib
 import dataclasses
+import functools
 import time
 import weakref
 
@@ -41,7 +42,8 @@ from dschat.hybrid_engine.attention import decode_attention as decode_attention_
 from dschat.hybrid_engine.attention import resolve_mode as resolve_decode_attention
 from dschat.hybrid_engine.cache import KVCache, longest_cache
 from dschat.hybrid_engine.config import HybridEngineConfig
-from dschat.hybrid_engine.decode import check_decodable, decoded_by_prompt_length, generate_tokens
+from dschat.hybrid_engine.decode import (check_decodable, generate_tokens, joined_generations,
+                                         prompt_length_groups)
 from dschat.hybrid_engine.fusion import ProjectionFusion
 from dschat.hybrid_engine.fusion import resolve_mode as resolve_fuse_projections
 from dschat.hybrid_engine.graphs import GraphDecoder, default_generator
@@ -55,7 +57,7 @@ from dschat.models.lora import unwrap_peft
 from dschat.models.positions import bias_counts_key_slots, position_limit, position_table
 from dschat.models.left_padding import left_padding_moves, warn_of_padded_generation
 from dschat.models.training_engine import first_release, is_released, released_as
-from dschat.utils.dist import print_beside_progress_bars
+from dschat.utils.dist import in_step_with_other_ranks, print_beside_progress_bars
 
 # The engine's meetings of the ranks that generate together (a ZeRO-3 world, an inference tensor-parallel group), in
 # their order: eval(); generate()'s arguments, then its weight check; the train() that begins a train phase
@@ -547,14 +549,17 @@ class HybridEngine:
         model.eval()  # no dropout while sampling, even if the caller skipped eval()
         try:
             if prompt_lengths is None:
-                result = self._decode(model, input_ids, attention_mask, s.max_new_tokens, device, sync_group,
-                                      return_logprobs, sampling)
+                batches = [(input_ids, attention_mask)]
             else:  # (the rows have no padding left: their own prompts are all the penalty sees)
-                unpadded = {**sampling, "prompt_start": None}
-                result = decoded_by_prompt_length(
-                    lambda ids, mask: self._decode(model, ids, mask, s.max_new_tokens, device, sync_group,
-                                                   return_logprobs, unpadded),
-                    input_ids, prompt_lengths, s.pad_token_id)
+                groups = prompt_length_groups(input_ids, prompt_lengths)
+                batches = [(ids, torch.ones_like(ids)) for _, ids in groups]
+                sampling = {**sampling, "prompt_start": None}
+            generations = self._decoded_in_step_with_other_ranks(
+                lambda ids, mask: self._decode(model, ids, mask, s.max_new_tokens, device, sync_group,
+                                               return_logprobs, sampling),
+                batches, generator, device)
+            result = generations[0] if prompt_lengths is None \
+                else joined_generations(input_ids, groups, generations, s.pad_token_id)
             if group_batch is not None:
                 result = group_batch.own_rows(result)
                 batch_size = group_batch.rows
@@ -614,17 +619,36 @@ class HybridEngine:
     def _prompt_lengths_apart(self, attention_mask):
         """Each row's prompt length where the model is of a family whose answers left padding moves
         (``LEFT_PADDING_MOVES_SCORES``: RecurrentGemma's recurrence reads no mask) and some row is padded: the rows of
-        each length then generate together without their padding (``decoded_by_prompt_length``), as each row alone.
+        each length then generate together without their padding (``prompt_length_groups``), as each row alone.
         None where the batch decodes as it is: another family, no padding, or rows that cannot leave it out (a
-        prompt with no token or a hole; forwards that are collectives over every rank, ZeRO-3 on several ranks
-        without pinned parameters, where each rank must make as many): then warned of once."""
+        prompt with no token or a hole): then warned of once."""
         if not left_padding_moves(self.module) or bool(attention_mask.all()):
             return None
-        collective = self.inference_weights.forward_has_collectives and _world_size() > 1
-        lengths = None if collective else left_padded_lengths(attention_mask)
+        lengths = left_padded_lengths(attention_mask)
         if lengths is None:
             warn_of_padded_generation(self.module, attention_mask)
         return lengths
+
+    def _decoded_in_step_with_other_ranks(self, decode, batches, generator, device):
+        """``decode(ids, mask)`` of each of ``batches``, in order. Where every forward is a collective over the world
+        (ZeRO-3 on several ranks without pinned parameters) and the model's rows of each prompt length decode apart
+        (``_prompt_lengths_apart``: each rank's count of decodes is its prompts'), every rank makes as many decodes
+        (``in_step_with_other_ranks``): a rank with fewer decodes one row of its first batch again for each it
+        lacks, the sampling generator's state kept. (Within one decode the ranks step until all have finished, the
+        decode's sync_group: a spare decode of another prompt length or EOS stays in step.)"""
+        synced = bool(left_padding_moves(self.module)) and self.inference_weights.forward_has_collectives \
+            and _world_size() > 1
+        ids, mask = batches[0]
+        rng = generator if generator is not None else default_generator(torch.device(device))
+
+        def spare():
+            row = int(mask.sum(1).argmax()) if len(mask) else 0  # (the fullest: never a prompt with no token)
+            state = rng.get_state()
+            decode(ids[row:row + 1], mask[row:row + 1])
+            rng.set_state(state)
+
+        return in_step_with_other_ranks([functools.partial(decode, *batch) for batch in batches], spare, synced,
+                                        device)
 
     def _decode(self, model, input_ids, attention_mask, max_new_tokens, device, sync_group, return_logprobs,
                 sampling):

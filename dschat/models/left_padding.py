@@ -48,6 +48,5 @@ def warn_of_padded_generation(model, attention_mask):
         "Step 3 scores its answers' log-probs on rows shifted to start at their first token (unless "
         "--padded_forwards), so its answers are not sampled from the policy it trains. dschat's HF generate and "
         "hybrid engine take the rows of each prompt length together, without their padding (HF generate: each row "
-        "alone where the family's batched decode mixes rows), except for a prompt with no token or a hole, (HF "
-        "generate) with no pad id and (the hybrid engine) under ZeRO-3 on several ranks with "
-        "hybrid_engine.pin_parameters off")
+        "alone where the family's batched decode mixes rows), except for a prompt with no token or a hole and (HF "
+        "generate) with no pad id")

@@ -31,7 +31,7 @@ from dschat.rlhf.layout import forward_layout, head_reads, reward_scores
 from dschat.rlhf.config import check_kl_settings, kl_in_loss, optimizer_steps_per_iteration, step3_args
 from dschat.rlhf.engine import LONGEST_SEQUENCE_FLAGS, check_settings, longest_sequence
 from dschat.rlhf.overflow import check_align_overflow, steps_skipped_together
-from dschat.utils.dist import all_reduce, get_world_size, local_device, print_rank_0
+from dschat.utils.dist import all_reduce, get_world_size, in_step_with_other_ranks, local_device, print_rank_0
 from dschat.utils.optim import optimizer_step, skipped_steps
 
 # the PPO step's diagnostics that train_rollout returns as means over its micro-batches
@@ -402,19 +402,18 @@ def syncs_ranks(model, synced_gpus):
 
 def generate_in_step_with_other_ranks(generate, calls, synced, kwargs):
     """``generate``'s output for each of ``calls`` ((input_ids, attention_mask)), in order. Under ``synced`` every
-    rank's forwards are collectives, so every rank must make as many calls (within one call HF's ``synced_gpus`` keeps
-    the ranks stepping until all have finished): the ranks first agree on the most calls any makes (one all-reduce),
-    and a rank with fewer then makes the rest on its first call's first row, their answers and random draws
-    discarded."""
+    rank's forwards are collectives, so every rank makes as many calls (``in_step_with_other_ranks``; within one call
+    HF's ``synced_gpus`` keeps the ranks stepping until all have finished): a rank with fewer makes the rest on its
+    first call's first row, their answers and random draws discarded."""
     input_ids, attention_mask = calls[0]
-    total = int(all_reduce(torch.tensor([len(calls)], device=input_ids.device), "max").item()) if synced else 0
-    outputs = [generate(ids, attention_mask=mask, **kwargs) for ids, mask in calls]
-    if total > len(calls):
+
+    def spare():
         mask = None if attention_mask is None else attention_mask[:1]
         with torch.random.fork_rng(devices=[input_ids.device] if input_ids.device.type == "cuda" else []):
-            for _ in range(total - len(calls)):
-                generate(input_ids[:1], attention_mask=mask, **kwargs)
-    return outputs
+            generate(input_ids[:1], attention_mask=mask, **kwargs)
+
+    own = [functools.partial(generate, ids, attention_mask=mask, **kwargs) for ids, mask in calls]
+    return in_step_with_other_ranks(own, spare, synced, input_ids.device)
 
 
 # ``LEFT_PADDING_MOVES_SCORES`` families whose batched decode in transformers keeps unpadded rows apart as it is:

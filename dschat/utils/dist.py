@@ -289,6 +289,20 @@ def all_reduce(tensor, op="sum", group=None):
     return tensor
 
 
+def in_step_with_other_ranks(calls, spare, synced, device):
+    """The result of each of ``calls`` (callables), in order. Under ``synced`` each call's forwards are collectives
+    over every rank (ZeRO-3's weight gathers), so every rank must make as many calls, in the same order: the ranks
+    first agree on the most calls any makes (one all-reduce of one int, before any call: agreed after its own calls,
+    a rank with fewer waited in the all-reduce while a peer's next call waited for its weights, a hang), then a rank
+    with fewer calls ``spare()`` for each it lacks, its result dropped (``spare`` keeps its random draws out of the
+    caller's). Within one call the callers keep the ranks stepping until all have finished."""
+    total = int(all_reduce(torch.tensor([len(calls)], device=device), "max").item()) if synced else len(calls)
+    results = [call() for call in calls]
+    for _ in range(total - len(calls)):
+        spare()
+    return results
+
+
 def rank_mean(value, device):
     """The mean of a per-rank number over all ranks (collective)."""
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)

@@ -83,6 +83,25 @@ def tiny_recurrent_gemma():
     return model
 
 
+def biased_recurrent_gemma():
+    """A tiny RecurrentGemma (recurrent layers that read no attention mask, states kept in the modules; an MQA
+    attention layer), ``with_biases``."""
+    return with_biases(tiny_recurrent_gemma())
+
+
+def with_biases(model):
+    """``model`` in eval mode, its biases and pad embedding not 0, as a trained model's: where the model reads a
+    row's left padding (a recurrence that reads no mask), the padding then moves its answer, so generating it padded
+    would show."""
+    torch.manual_seed(33)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+        model.get_input_embeddings().weight[PAD].normal_()
+    return model.eval()
+
+
 def ds_config(stage=0, lr=5e-2, micro_batch=2, bf16=False, **zero_extra):
     zero = {"stage": stage, **zero_extra}
     if stage == 3:
@@ -131,6 +150,16 @@ def hf_generate(model, input_ids, attention_mask, max_new_tokens, eos_token_id=N
                                         pad_token_id=pad_token_id, **kwargs)
     finally:
         model.train(was_training)
+
+
+def hf_generate_alone(model, prompt, max_new_tokens, **kwargs):
+    """``hf_generate`` of one unpadded prompt ((1, n)), the states a model keeps in its modules set up afresh: HF's
+    generate sets up RecurrentGemma's only for a forward given no cache, never for its own, so a one-token prompt went
+    on from the previous generation's (as dschat's trainer does)."""
+    from dschat.hybrid_engine.decode import reset_states_kept_in_modules
+
+    reset_states_kept_in_modules(model, 1, prompt.device)
+    return hf_generate(model, prompt, torch.ones_like(prompt), max_new_tokens, **kwargs)
 
 
 def early_token(generated_row, avoid=(), steps=(1, 2, 3)):

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_common import (PAD, answer_logprobs_and_live, check_refresh_after_step,  # noqa: E402
-                           check_surgery_on_rank_0_refused, ds_config, early_token, hf_generate, make_ds_engine,
-                           rank_0_replaces, tiny_model, train_step)
+                           biased_recurrent_gemma, check_surgery_on_rank_0_refused, ds_config, early_token,
+                           hf_generate, hf_generate_alone, make_ds_engine, rank_0_replaces, tiny_model, train_step)
 from hybrid_zero3 import build_zero3_actor, rank_prompts  # noqa: E402
 
 MAX_NEW = 20
@@ -444,45 +444,22 @@ def check_surgery_named_before_arguments_refused_with_it(engine, ids, mask, rank
     print(f"rank {rank} surgery with arguments refused on rank 0: named", flush=True)
 
 
-def biased_recurrent_gemma():
-    """A tiny RecurrentGemma (recurrent layers that read no attention mask, states kept in the modules; an MQA
-    attention layer) whose biases and pad embedding are not 0, as a trained model's: a row's left padding then moves
-    its answer, so generating it padded would show."""
-    from hybrid_common import tiny_recurrent_gemma
-
-    model = tiny_recurrent_gemma()
-    torch.manual_seed(33)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.5)
-        model.get_input_embeddings().weight[PAD].normal_()
-    return model.eval()
-
-
 def check_recurrent_gemma_groups_prompt_lengths_across_the_group(rank):
     """RecurrentGemma under inference_tp_size 2: the group's gathered batch (both ranks' prompts, left-padded to the
-    longest) generates its rows of each prompt length together without their padding (``decoded_by_prompt_length``,
+    longest) generates its rows of each prompt length together without their padding (``prompt_length_groups``,
     the same lengths in the same order on both ranks), each rank's split attention and MLP and whole recurrent
     layers. Each rank's greedy answers are its rows' answers alone (HF's generate, one row at a time) token for
     token, and its log-probabilities the one-rank engine's (inference_tp_size 1) on the same prompts."""
     from hybrid_common import left_padded_batch
 
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
-    from dschat.hybrid_engine.decode import reset_states_kept_in_modules
 
     reference = biased_recurrent_gemma()
     lengths = [5, 2] if rank == 0 else [3, 7, 2, 1]  # (the group's lengths: 1, 2, 3, 5, 7; 2 on both ranks)
     ids, mask = left_padded_batch(lengths, seed=40 + rank)
     width = ids.shape[1]
 
-    def hf_alone(row, n):
-        # HF's generate sets up the states RecurrentGemma keeps in its modules only for a forward given no cache,
-        # never for its own: a one-token prompt went on from the previous generation's (as dschat's trainer does)
-        reset_states_kept_in_modules(reference, 1, ids.device)
-        return hf_generate(reference, ids[row:row + 1, width - n:], mask[row:row + 1, width - n:], MAX_NEW)
-
-    alone = [hf_alone(row, n) for row, n in enumerate(lengths)]
+    alone = [hf_generate_alone(reference, ids[row:row + 1, width - n:], MAX_NEW) for row, n in enumerate(lengths)]
     with torch.no_grad():  # (the padding moves the model's scores: a padded generation would show in the log-probs)
         padded = reference(input_ids=ids, attention_mask=mask).logits[:, -1]
         unpadded = torch.cat([reference(input_ids=ids[row:row + 1, width - n:]).logits[:, -1]
