@@ -246,8 +246,11 @@ def older_checkpoint(step, steps, recipe, folder, families=None):
 
     root, name = os.path.join(folder, CHECKPOINTS_DIR), step_name(recipe, step)
     tag = latest_tag(root)
+    # (train.py gives each step its folder: "its own --output_dir", a step script's advice, is no flag of its user's)
+    keep = (f"train.py keeps only step {step}'s checkpoints there (another run given that folder, or a copy?); to keep "
+            f"these, move {root} out of train.py's --output-dir before the next --resume")
     try:
-        check_same_step(root, tag, name)
+        check_same_step(root, tag, name, keep)
     except UsageError as error:
         raise refused_under_train_py(error, step, steps) from None
     older = older_dschats_checkpoint(root, tag, name, f"Resume it with that dschat, or train step {step} afresh with "

@@ -1,6 +1,7 @@
 """train.py --resume: finished steps are skipped, the interrupted one resumes, the later ones start afresh."""
 import json
 import os
+import re
 import runpy
 import shutil
 from argparse import Namespace
@@ -13,7 +14,7 @@ from dschat import pipeline
 from dschat.errors import UsageError
 from dschat.pipeline_resume import FRESH, RESUME, SKIP, plan_steps
 from dschat.steps.common import STEP_VERSION, STEP_VERSIONS
-from dschat.utils.checkpoints import STEP_NAME, latest_tag, tag_of, trainer_folder
+from dschat.utils.checkpoints import STEP_NAME, check_same_step, latest_tag, tag_of, trainer_folder
 from launch import REPO
 
 TRAIN_PY = runpy.run_path(str(REPO / "train.py"))  # the script's functions (its __main__ block does not run)
@@ -344,12 +345,19 @@ def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by
     step_2_state.write_text(json.dumps({**this_checkpoint(2), STEP_VERSION: 99}))
     with pytest.raises(UsageError, match=r"step_version 99 of step2, .* \(--step 2 3 without --resume\)$"):
         step_3_with(2, step2=longer)
-    # another step's checkpoint in the folder: refused as the step refuses it
+    # another step's checkpoint in the folder: refused as the step refuses it, with advice train.py's user can follow
+    # (a step script's "give step3 its own --output_dir" named a flag train.py sets itself)
     state_file.write_text(json.dumps({**this_checkpoint(1)}))
-    with pytest.raises(UsageError, match=r"\(iter_0000001\) was saved by step1, not step3: give step3 its own "
-                                         r"--output_dir\n\(train.py --resume resumes step 3: .*give --step 3 "
-                                         r"without --resume, which removes the checkpoints in step 3's folder\)$"):
+    with pytest.raises(UsageError, match=r"\(iter_0000001\) was saved by step1, not step3: train.py keeps only step "
+                                         r"3's checkpoints there \(another run given that folder, or a copy\?\); to "
+                                         rf"keep these, move {re.escape(str(root))} out of train.py's --output-dir "
+                                         r"before the next --resume\n\(train.py --resume resumes step 3: .*give --step "
+                                         r"3 without --resume, which removes the checkpoints in step 3's folder\)$"):
         plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})
+    # (a step script's own --resume keeps its advice: its user gives it its --output_dir)
+    with pytest.raises(UsageError, match=r"was saved by step1, not step3: give step3 its own --output_dir, or start "
+                                         r"afresh there without --resume \(which removes step1's checkpoints\)$"):
+        check_same_step(str(root), "iter_0000001", "step3")
     # the DPO recipe's step 2 records itself as step2_dpo
     dpo_root = tmp_path / "step2_dpo" / "checkpoints"
     (dpo_root / "trainer" / "step_0000001").mkdir(parents=True)

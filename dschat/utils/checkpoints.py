@@ -197,23 +197,24 @@ def check_position(root, tag, state, keys):
 STEP_NAME = "step_name"
 
 
-def check_same_step(root, tag, step):
+def check_same_step(root, tag, step, keep=None):
     """Checkpoint ``tag`` was saved by ``step`` (its trainer state's ``STEP_NAME``), checked before its folders are: a
     checkpoint another step saved in the same --output_dir (step 1's, found by DPO or step 2 given that folder; step
     1's found by step 3, or step 3's by step 1) is not this step's to continue. DPO resumed step 1's weights,
     optimizer and data position as its own when their flags matched (both default to tiny-llama), step 2 was refused
     for a flag ("--multiturn False -> None"), and steps 1 and 3 for a folder "removed or copied in part?" of the
     other's. A checkpoint from before the step was recorded is told by its tags (step 3's count iterations); else
-    unchecked."""
+    unchecked. ``keep``: how the refusal says to keep the other step's checkpoints (default: a step script's, another
+    --output_dir; train.py's user chooses no step's folder, ``pipeline_resume.older_checkpoint``)."""
     saved = (read_trainer_state(root, tag) or {}).get(STEP_NAME)
     if saved is None and TAG.fullmatch(tag):
         saved = "step3" if tag.startswith("iter_") else "step 1, 2 or DPO"
         if (step == "step3") == (saved == "step3"):  # (one of them, unrecorded: not told apart)
             return
     if saved is not None and step is not None and saved != step:
-        raise UsageError(f"--resume: the last checkpoint in {root} ({tag}) was saved by {saved}, not {step}: give "
-                         f"{step} its own --output_dir, or start afresh there without --resume (which removes "
-                         f"{saved}'s checkpoints)")
+        keep = keep or f"give {step} its own --output_dir"
+        raise UsageError(f"--resume: the last checkpoint in {root} ({tag}) was saved by {saved}, not {step}: {keep}, "
+                         f"or start afresh there without --resume (which removes {saved}'s checkpoints)")
 
 
 def say_an_older_dschats_checkpoint(root, tag, step, families=None):
