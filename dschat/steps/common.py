@@ -373,7 +373,13 @@ REWARD_FN_FILE = "reward_fn_file"  # (its key for the --reward_fn file's path an
 # that a run's data may not hold, and a cache rebuilds in minutes where a step trains for hours; a data format change
 # that changes what a step trains on bumps the step's version too.
 # 1: recorded from here on (an output without it is older: step 2's loss subtracts each pair's margin since
-#    FORMAT_VERSION 45, and earlier changes are not told apart)
+#    FORMAT_VERSION 45, and earlier changes are not told apart). Such an output is never kept, as one recording null
+#    may be (``kept_null_output``: a versioned dschat's run that resumed an unversioned checkpoint, saying so): its
+#    whole run was a dschat's from before 8b009f6, and nothing its folder holds dates it past the changes of what the
+#    steps train made shortly before (step 2's margins, ce89ebb; ZeRO-0 bf16/fp16's start and first Adam step, 39baa43
+#    and 326ae58; LoRA's default targets leaving out an LM head, 6752c94): no flag and no training_args.json key was
+#    added from ce89ebb to 8b009f6, and step 2's metrics.json count of margin pairs (0f0ad79) dates one past ce89ebb
+#    alone. train.py --resume trains it again, its line naming the training_args.json that records no step_version.
 # step2_dpo 2: --rpo_alpha's NLL term follows --loss_agg, by default (global_token_mean) the mean over the chosen tokens
 #    of the whole optimizer step, all micro-batches and ranks; 1 took each micro-batch's own mean whatever the flag said
 #    (the same output without --rpo_alpha, or where --loss_agg weighs the term as that mean: STEP_VERSION_CHANGES)
