@@ -429,8 +429,28 @@ def changed_flags(record, flags):
         return names
     recorded, then = recorded_flags_now(record.get("flags", {}), record.get("step")), record.get("cwd", os.getcwd())
     return sorted(name for name in names if name in recorded and (
-        _differs(name, recorded[name], now[name], then, record.get("inputs", {}))
+        (_differs(name, recorded[name], now[name], then, record.get("inputs", {}))
+         and not _moved_with_output(name, recorded, now, then))
         or (name == "reward_fn" and _edited_reward_fn(record, flags) is not None)))
+
+
+# Places a step writes beside its output folder: train.py puts its TensorBoard curves in <output-dir>/tensorboard,
+# beside the step's folder, so a run folder moved whole gave every finished step another --tensorboard_path, said in
+# each one's line as a change of what it logs, though its user gave none.
+BESIDE_OUTPUT = ("tensorboard_path",)
+
+
+def _moved_with_output(name, recorded, now, then_cwd):
+    """Whether flag ``name`` of ``BESIDE_OUTPUT`` names the same place relative to the step's --output_dir in the
+    record (``recorded``: its flags, relative paths from ``then_cwd``) as now (``now``): moved with it."""
+    if name not in BESIDE_OUTPUT or not all(isinstance(flags.get(key), str) for flags in (recorded, now)
+                                            for key in (name, "output_dir")):
+        return False
+
+    def place(flags, cwd):
+        return os.path.relpath(os.path.join(cwd, flags[name]), os.path.join(cwd, flags["output_dir"]))
+
+    return place(recorded, then_cwd) == place(now, os.getcwd())
 
 
 def same_batches_on_other_ranks(step, record, flags, world_size):

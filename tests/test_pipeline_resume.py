@@ -727,6 +727,29 @@ def test_paths_are_compared_as_the_folders_they_name_and_a_moved_run_folder_keep
     assert plan_steps([1, 2], "ppo", str(out), {1: given, 2: step2}) == {1: (SKIP, ""), 2: (SKIP, "")}
 
 
+def test_a_tensorboard_path_moved_with_the_run_folder_is_no_change(tmp_path, monkeypatch):
+    """train.py --resume of a run folder moved whole said in every finished step's line "its output does not depend on
+    what it logs and how it evaluates (--tensorboard_path /old/out/tensorboard -> ...)": train.py puts it beside the
+    step's folder, and its user gave none. The same place beside the step's --output_dir is no change; another place
+    is said as before."""
+    out = tmp_path / "moved"
+    finish(out, 1, 100, output_dir="/old/out/step1_sft", tensorboard_path="/old/out/tensorboard")
+    now = Namespace(**{**vars(FLAGS), "output_dir": str(out / "step1_sft"),
+                       "tensorboard_path": str(out / "tensorboard")})
+    assert plan_steps([1], "ppo", str(out), {1: now})[1] == (SKIP, "")
+    elsewhere = Namespace(**{**vars(now), "tensorboard_path": str(tmp_path / "tb")})
+    assert plan_steps([1], "ppo", str(out), {1: elsewhere})[1] == (
+        SKIP, "its output does not depend on what it logs and how it evaluates (--tensorboard_path /old/out/tensorboard "
+              f"-> {tmp_path / 'tb'}: its metrics.json is the finished run's evaluation)")
+    # relative paths, from the working directory each run had (train.py's default --output-dir ./output)
+    finish(out, 1, 100, output_dir="output/step1_sft", tensorboard_path="output/tensorboard")
+    record = json.loads((out / FOLDERS[1] / "training_args.json").read_text())
+    (out / FOLDERS[1] / "training_args.json").write_text(json.dumps({**record, "cwd": "/old"}))
+    monkeypatch.chdir(tmp_path)
+    relative = Namespace(**{**vars(FLAGS), "output_dir": "moved/step1_sft", "tensorboard_path": "moved/tensorboard"})
+    assert plan_steps([1], "ppo", str(out), {1: relative})[1] == (SKIP, "")
+
+
 def test_a_step3_resumed_after_its_run_folder_moved_and_step_2_trained_again_records_the_critic_it_started_from(
         tmp_path):
     """A step 3 interrupted, its run folder moved (or copied), step 2 trained again there, then step 3 resumed by its own --resume
