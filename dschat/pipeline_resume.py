@@ -277,7 +277,8 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
     else:
         from dschat.steps import resume as own
         batch_flags = own.BATCH_FLAGS
-        bound = own.bound_flags(flags, saved)  # (the data path flags whose files the checkpoint records)
+        # (the data path flags whose files the checkpoint records; its model's folder moved with the run folder)
+        bound = own.model_path_as_saved(saved, own.bound_flags(flags, saved), checkpoint.get("inputs"))
     now = {name: value for name, value in bound.items() if name not in ZERO_STAGE_FLAGS and name not in batch_flags}
     root = os.path.join(folder, CHECKPOINTS_DIR)
     tag = latest_tag(root)

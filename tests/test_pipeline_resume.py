@@ -1062,6 +1062,38 @@ def killed_after_the_first_checkpoint(monkeypatch, argv):
             pipeline.run_pipeline(argv)
 
 
+def test_train_py_resume_of_a_run_folder_moved_whole_resumes_its_interrupted_step_2(tmp_path, distributed,
+                                                                                     monkeypatch, capsys):
+    """An interrupted step 2 (or DPO) resumed only in its old place: its checkpoint stored --model_name_or_path, step
+    1's output, by its path, and train.py --resume of the moved run folder was refused for "--model_name_or_path
+    '<old>/step1_sft' -> '<new>/step1_sft' ... resume with the checkpoint's values", a flag train.py sets itself. The
+    folder named now is compared by the model it holds, as step 3's actor is: the one the checkpoint's run started
+    from (by run id) resumes; another is refused as before."""
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+
+    def argv(folder, *more):
+        return TRAIN_PY["parse_args"](["--output-dir", str(folder), "--step", "1", "2", "--step1-args",
+                                       "--max_steps 1 --eval_iters 1", "--step2-args",
+                                       "--max_steps 2 --save_interval 1 --eval_iters 1", *more])
+
+    killed_after_the_first_checkpoint(monkeypatch, argv(tmp_path / "out"))
+    assert not (tmp_path / "out" / "step2_rm" / "metrics.json").exists()
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "out", moved)
+    capsys.readouterr()
+    pipeline.run_pipeline(argv(moved, "--resume"))
+    printed = capsys.readouterr().out
+    assert f"step 1: finished earlier in {moved / 'step1_sft'} with the same flags; skipped (--resume)" in printed
+    assert f"step 2: resumes from its last checkpoint in {moved / 'step2_rm' / 'checkpoints'}" in printed
+    assert "[step2] resumed from step 1 " in printed and (moved / "step2_rm" / "metrics.json").exists()
+    # (a folder holding another model than the checkpoint's run started from stays bound to the stored path)
+    from dschat.steps.resume import model_path_as_saved
+
+    old, new = str(tmp_path / "out" / "step1_sft"), str(moved / "step1_sft")
+    assert model_path_as_saved({"model_name_or_path": old}, {"model_name_or_path": new}, {old: "another run"}) == \
+        {"model_name_or_path": new}
+
+
 def test_train_py_resume_at_another_zero_stage_skips_the_finished_step_and_converts_the_interrupted_ones(
         tmp_path, distributed, monkeypatch, capsys):
     """The README's "give the new stage to the interrupted step" was read in the plan, not run: train.py --resume

@@ -21,10 +21,10 @@ from dschat.args import recorded_flags_now
 from dschat.errors import UsageError
 from dschat.report import counted
 from dschat.run_layout import CHECKPOINTS_DIR
-from dschat.steps.common import (STEP_VERSION, TOKENIZER_KEY, check_same_start, check_same_tokenizer, input_runs,
-                                 keep_resumed_inputs, loaded_model_types, recorded_data_flags, recorded_step_version,
-                                 restart_deepspeed_tensorboard, resumed_save_interval, say_a_changed_schedule,
-                                 schedule_length_flags, step_data_records, taken_data_flags)
+from dschat.steps.common import (STEP_VERSION, TOKENIZER_KEY, check_same_start, check_same_tokenizer, holds_model,
+                                 input_runs, keep_resumed_inputs, loaded_model_types, recorded_data_flags,
+                                 recorded_step_version, restart_deepspeed_tensorboard, resumed_save_interval,
+                                 say_a_changed_schedule, schedule_length_flags, step_data_records, taken_data_flags)
 from dschat.utils.checkpoints import (DATA_SOURCE_FLAGS, MODEL, STEP_NAME, ResumePlan, check_complete,
                                       check_position, check_same_flags, check_same_products, check_same_step,
                                       check_universal_fit, clear_earlier_run, clear_tag, latest_tag, load_rank_state,
@@ -92,6 +92,19 @@ def unbound_data_flags(args, saved=None):
     return [name for name in DATA_SOURCE_FLAGS if name not in recorded]
 
 
+def model_path_as_saved(saved, now, inputs):
+    """``now`` ({flag: value} of a run, compared with a checkpoint's ``saved``) with --model_name_or_path as the
+    checkpoint stored it where the folder named now holds the model its run started from at the stored path
+    (``inputs``: the run's recorded ``input_runs``, by run id): a run folder moved whole moves step 1's output, which
+    steps 2 and DPO start from, and their checkpoints were refused for its old path (step 3's compares its actor by
+    run id alone, ``check_same_start``)."""
+    then, path = saved.get("model_name_or_path"), now.get("model_name_or_path")
+    identity = (inputs or {}).get(then) if isinstance(then, str) and isinstance(path, str) and then != path else None
+    if identity is not None and holds_model(path, identity):
+        return {**now, "model_name_or_path": then}
+    return now
+
+
 def bound_flags(args, saved=None):
     """{flag: value} of the flags a checkpoint is bound to (``flag_values`` less the restored and free ones; ``saved``:
     its flags): the step's --resume refuses another value than the checkpoint's (``check_same_flags``), and so does
@@ -148,7 +161,7 @@ def _checked_latest(args, step, tokenizer=None):
     if reshaped:
         state["saved_micro_batch"] = saved["per_device_train_batch_size"]
         state["saved_accumulation"] = saved["gradient_accumulation_steps"]
-    now = resume_flags(args, saved)
+    now = model_path_as_saved(saved, resume_flags(args, saved), state.get("inputs"))
     if reshaped:
         now = {name: value for name, value in now.items() if name not in BATCH_FLAGS}  # (their product: compared)
     if restaged:
