@@ -5116,6 +5116,41 @@ def test_hf_generate_says_synced_gpus_only_to_a_generate_that_takes_it(monkeypat
             hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), **call)
 
 
+def test_hf_generate_asks_a_lora_actors_base_model_whether_its_generate_takes_synced_gpus(monkeypatch):
+    """A LoRA actor is a PEFT model (``apply_lora``), whose generate takes ``*args, **kwargs`` and hands them to its
+    base model's: ``synced_gpus`` was said through it to a base generate that takes no such argument, a TypeError at
+    every call. The base model's generate is asked; the error where the ranks must sync names its class."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.errors import UsageError
+    from dschat.models.lora import apply_lora
+    from dschat.rlhf import trainer
+    from dschat.rlhf.trainer import hf_generate
+
+    class OwnGenerate(LlamaForCausalLM):  # (a generate with its own fixed arguments)
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=20, do_sample=False, pad_token_id=None):
+            return super().generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                    do_sample=do_sample, pad_token_id=pad_token_id)
+
+    base = OwnGenerate(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2))
+    model = apply_lora(base, 2)
+    assert model is not base  # (a PEFT model)
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    ids, call = torch.tensor([[10, 11, 12]]), dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        alone = LlamaForCausalLM.generate(base, ids, **call)  # (LoRA's B starts at 0: the base's answer)
+        assert torch.equal(hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), **call), alone)
+        monkeypatch.setattr(trainer, "get_world_size", lambda: 2)
+        next(model.parameters()).ds_id = 0  # (ZeRO-3 on 2 ranks, synced_gpus unsaid: it must sync)
+        with pytest.raises(UsageError, match=r"^OwnGenerate\.generate takes no synced_gpus"):
+            hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), **call)
+        said = []  # (a generate set on the PEFT model itself, as the hybrid engine routes it, takes it itself)
+        model.generate = lambda input_ids, **kw: said.append(kw.get("synced_gpus")) or input_ids
+        hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), **call)
+        assert said == [True]
+
+
 def test_hf_generate_leaves_a_plain_model_unsynced_while_an_hf_deepspeed_config_lives(monkeypatch):
     """``syncs_ranks`` also asked HF's ``is_deepspeed_zero3_enabled()``, true while an HfDeepSpeedConfig is alive in
     the process: a model loaded without ZeRO (a policy of the tools, a reward model loaded plain) synced on several

@@ -293,16 +293,26 @@ def synced_gpus_said(model, synced):
     """``{"synced_gpus": synced}`` where ``model``'s generate takes it (transformers' does; a remote-code model's own
     generate may not, and failed with a TypeError at every call, from the tools on one rank too); ``{}`` where it
     does not and the ranks need no syncing; a ``UsageError`` naming the model's class where they do: such a
-    generate cannot keep ZeRO-3 ranks stepping together (unsynced, they hang once one's answers end first)."""
-    if takes_keyword(model.generate, "synced_gpus"):
+    generate cannot keep ZeRO-3 ranks stepping together (unsynced, they hang once one's answers end first). The
+    generate asked is the one the keyword reaches (``generate_owner``: a LoRA actor's base model's)."""
+    owner = generate_owner(model)
+    if takes_keyword(owner.generate, "synced_gpus"):
         return {"synced_gpus": synced}
     if synced:
-        raise UsageError(f"{type(model).__name__}.generate takes no synced_gpus (nor **kwargs), which ZeRO-3 on "
+        raise UsageError(f"{type(owner).__name__}.generate takes no synced_gpus (nor **kwargs), which ZeRO-3 on "
                          f"several ranks needs: each forward gathers the weights from every rank, so a rank whose "
                          f"answers end first must keep stepping with the others. Generate on one rank, or without "
                          f"ZeRO-3 for this model (step 3: --actor_zero_stage 2, or --enable_hybrid_engine, whose "
                          f"generation is its own)")
     return {}
+
+
+def generate_owner(model):
+    """The model whose ``generate`` receives ``model.generate``'s keyword arguments: a PEFT model's own generate takes
+    ``*args, **kwargs`` and hands them to its base model's, which is the one to ask; a generate set on the instance
+    (the hybrid engine's route, ``route_module_generate``) takes them itself."""
+    base = unwrap_peft(model)
+    return base if base is not model and "generate" not in vars(model) else model
 
 
 def takes_keyword(fn, name):
