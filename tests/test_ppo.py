@@ -5061,7 +5061,7 @@ def test_hf_generate_syncs_a_zero3_model_on_several_ranks_when_the_caller_leaves
     ids, mask = _left_padded([[10, 11], [30, 31]], 2)
     said = []
     model.generate = lambda input_ids, synced_gpus="unsaid", **kw: said.append(synced_gpus) or input_ids
-    monkeypatch.setattr(trainer, "all_reduce", lambda t, op: t)  # (the rank count's agreement: one rank here)
+    monkeypatch.setattr("dschat.utils.dist.all_reduce", lambda t, op: t)  # (the calls' agreement: one rank here)
     keep_alive = model_load_context({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
     del keep_alive  # (as dschat's loaders: gone once the model is built)
 
@@ -5196,7 +5196,7 @@ def test_hf_generate_refuses_a_batch_of_no_row_by_name(family, synced_gpus, monk
     else:
         model = tiny_rwkv()
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
-    monkeypatch.setattr(trainer, "all_reduce", lambda t, op: t.fill_(2))  # (a peer makes 2 calls)
+    monkeypatch.setattr("dschat.utils.dist.all_reduce", lambda t, op: t.fill_(2))  # (a peer makes 2 calls)
     ids = torch.zeros(0, 3, dtype=torch.long)
     with torch.no_grad(), pytest.raises(UsageError, match=r"a batch of no prompt \(input_ids \(0, 3\)\)"):
         hf_generate(model, tokenizer)(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
