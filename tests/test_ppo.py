@@ -5187,7 +5187,6 @@ def test_hf_generate_refuses_a_batch_of_no_row_by_name(family, synced_gpus, monk
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dschat.errors import UsageError
-    from dschat.rlhf import trainer
     from dschat.rlhf.trainer import hf_generate
 
     if family == "llama":
