@@ -443,7 +443,10 @@ BESIDE_OUTPUT = ("tensorboard_path",)
 
 def _moved_with_output(name, recorded, now, then_cwd):
     """Whether flag ``name`` of ``BESIDE_OUTPUT`` names the same place relative to the step's --output_dir in the
-    record (``recorded``: its flags, relative paths from ``then_cwd``) as now (``now``): moved with it."""
+    record (``recorded``: its flags, relative paths from ``then_cwd``) as now (``now``), inside the run folder (the
+    one holding the step's folder), which moved with it. A place outside it stays where it was when the run folder
+    moves (a user's --tensorboard_path /data/alice/tb beside /data/alice/run): another one now, however like the
+    old one it lies from the step's folder, is a change."""
     if name not in BESIDE_OUTPUT or not all(isinstance(flags.get(key), str) for flags in (recorded, now)
                                             for key in (name, "output_dir")):
         return False
@@ -451,7 +454,8 @@ def _moved_with_output(name, recorded, now, then_cwd):
     def place(flags, cwd):
         return os.path.relpath(os.path.join(cwd, flags[name]), os.path.join(cwd, flags["output_dir"]))
 
-    return place(recorded, then_cwd) == place(now, os.getcwd())
+    then = place(recorded, then_cwd)
+    return then.split(os.sep)[:2] != [os.pardir, os.pardir] and then == place(now, os.getcwd())
 
 
 def same_batches_on_other_ranks(step, record, flags, world_size):

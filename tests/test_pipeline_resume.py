@@ -750,6 +750,23 @@ def test_a_tensorboard_path_moved_with_the_run_folder_is_no_change(tmp_path, mon
     assert plan_steps([1], "ppo", str(out), {1: relative})[1] == (SKIP, "")
 
 
+def test_a_tensorboard_path_outside_the_run_folder_that_keeps_its_shape_is_still_a_change(tmp_path):
+    """A --tensorboard_path a user gave outside the run folder (--step1-args "--tensorboard_path /data/alice/tb",
+    the run in /data/alice/run) does not move with it: moved to /data/bob/run and given /data/bob/tb, the finished
+    step's curves stay in /data/alice/tb, a change its line says, though both lie "../../tb" from the step's folder."""
+    out = tmp_path / "bob" / "run"
+    finish(out, 1, 100, output_dir="/data/alice/run/step1_sft", tensorboard_path="/data/alice/tb")
+    now = Namespace(**{**vars(FLAGS), "output_dir": str(out / "step1_sft"), "tensorboard_path": str(tmp_path / "bob"
+                                                                                                     / "tb")})
+    assert plan_steps([1], "ppo", str(out), {1: now})[1] == (
+        SKIP, "its output does not depend on what it logs and how it evaluates (--tensorboard_path /data/alice/tb -> "
+              f"{tmp_path / 'bob' / 'tb'}: its metrics.json is the finished run's evaluation)")
+    # (the run folder itself, beside the step's folder, moves with it)
+    finish(out, 1, 100, output_dir="/data/alice/run/step1_sft", tensorboard_path="/data/alice/run")
+    assert plan_steps([1], "ppo", str(out), {1: Namespace(**{**vars(now), "tensorboard_path": str(out)})})[1] == \
+        (SKIP, "")
+
+
 def test_a_step3_resumed_after_its_run_folder_moved_and_step_2_trained_again_records_the_critic_it_started_from(
         tmp_path):
     """A step 3 interrupted, its run folder moved (or copied), step 2 trained again there, then step 3 resumed by its own --resume
