@@ -296,7 +296,8 @@ def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):
 def afresh_advice(step, steps):
     """What to give train.py to train ``step``, which --resume resumes and cannot, afresh and keep the steps before,
     and what that costs (said in the step's own advice, which ``refused_under_train_py`` leaves out for this line)."""
-    return f"(train.py --resume resumes step {step}: to train it afresh and keep the steps before it, give " \
+    keep = " and keep the steps before it" if step > 1 else ""  # (step 1 has none before it)
+    return f"(train.py --resume resumes step {step}: to train it afresh{keep}, give " \
            f"{afresh_flags(step, steps)}, which removes the checkpoints in step {step}'s folder)"
 
 

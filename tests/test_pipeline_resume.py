@@ -1319,7 +1319,7 @@ def test_an_interrupted_step_whose_checkpoint_is_bound_to_other_flags_is_refused
     with pytest.raises(UsageError, match=rf"^--resume: checkpoint step_0000001 in {root} was saved with other "
                                          r"settings: --lora_dim 0 -> 8; --dtype 'bf16' -> 'fp32'\. Its model and "
                                          r"optimizer states .*: resume with the checkpoint's values\n\(train.py "
-                                         r"--resume resumes step 1: to train it afresh and keep the steps before it, "
+                                         r"--resume resumes step 1: to train it afresh, "
                                          r"give --step 1 2 without --resume, which removes the checkpoints in step 1's "
                                          r"folder\)$") as refused:
         plan_steps([1, 2], "ppo", str(tmp_path), {1: step1("--lora_dim", "8", "--dtype", "fp32"), 2: FLAGS})
