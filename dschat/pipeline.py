@@ -201,7 +201,7 @@ def reads_own_data_without_fields(step, args):
     given = {dest for dest, _ in flag_groups(parser, extra)}
     if "data_path" not in given or "data_fields" in given:
         return False
-    from dschat.data.local import all_among, parse_data_fields
+    from dschat.data.fields import all_among, parse_data_fields
 
     if parse_data_fields(args.data_fields).by_dataset:  # (given per dataset: those of its own data go to it)
         return not step_data_fields(step, args)
@@ -215,7 +215,7 @@ def step_data_fields(step, args):
     there is not one of the step's, an error in it (train.py's check sees them all,
     ``check_data_fields_name_the_steps_datasets``); the mapping of no dataset only where the step reads
     --data-path's files (it named their columns, ``reads_own_data_without_fields``)."""
-    from dschat.data.local import DataFields, all_among, parse_data_fields
+    from dschat.data.fields import DataFields, all_among, parse_data_fields
 
     fields = parse_data_fields(args.data_fields)
     if not fields.by_dataset:
@@ -238,7 +238,7 @@ def _gives_flag(step, args, dest):
 def check_data_fields_name_the_steps_datasets(args, step_flags):
     """Every dataset train.py's --data-fields give a mapping of is read by a step (``step_flags``: the steps' parsed
     flags): a typo, or a path written otherwise than in the flags, renamed nothing, unsaid."""
-    from dschat.data.local import parse_data_fields
+    from dschat.data.fields import parse_data_fields
 
     read = [spec for flags in step_flags for spec in [*flags.data_path, *getattr(flags, "sft_only_data_path", [])]]
     parse_data_fields(getattr(args, "data_fields", "")).check_names(
@@ -422,7 +422,7 @@ def _check_step_args(steps, args, tiny, parsers):
 
 def check_one_steps_flags(step, steps, args, tiny, flags, parser):
     """``check_step_args``'s checks of one step's parsed ``flags`` (its data's too, where no earlier step runs)."""
-    from dschat.data.local import parse_data_fields
+    from dschat.data.fields import parse_data_fields
     from dschat.data.unsupervised import check_unsupervised_file
     from dschat.rlhf.config import step3_args
     from dschat.rlhf.engine import check_step3_settings
@@ -529,7 +529,7 @@ def say_splits_that_differ(parsed):
     --stepN-args): each step takes its phase's share of its own split, so a later step may train on the records an
     earlier one trained on, which the shares of one split keep apart (DeepSpeed-Chat's scripts give every step the
     same). Said, not refused: a step may take all the data on purpose (--data_split 10,0,0 for step 1)."""
-    from dschat.data.local import dataset_identity
+    from dschat.data.fields import dataset_identity
 
     split = {step: (flags.data_split, flags.seed) for step, flags in parsed.items()}
     datasets = {step: {dataset_identity(spec) for spec in flags.data_path} for step, flags in parsed.items()}

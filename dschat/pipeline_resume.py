@@ -25,7 +25,7 @@ from argparse import Namespace
 from typing import NamedTuple
 
 from dschat.args import conditional_flags_of, recorded_flags_now
-from dschat.data.local import same_data_fields, same_datasets
+from dschat.data.fields import same_data_fields, same_datasets
 from dschat.data.raw_datasets import changed_data_files
 from dschat.errors import UsageError
 from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDERS, RUN_ARGS_FILE

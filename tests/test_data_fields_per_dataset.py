@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dschat.data import create_prompt_dataset
-from dschat.data.local import parse_data_fields, parse_field_map
+from dschat.data.fields import parse_data_fields, parse_field_map
 from dschat.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -343,7 +343,7 @@ def test_a_data_fields_dict_and_its_text_are_the_same_renaming(tmp_path):
     """A notebook's data_fields dict (kept so in a checkpoint's or a run's record) was parsed as text by
     same_data_fields, failed, and was compared with the text as written: a resume from the command line with the same
     renaming was taken as another (a finished step rerun, a checkpoint refused)."""
-    from dschat.data.local import same_data_fields
+    from dschat.data.fields import same_data_fields
 
     qa, alpaca = two_files(tmp_path)
     assert same_data_fields({"prompt": "question", "chosen": "answer"}, "chosen=answer,prompt=question")

@@ -411,7 +411,7 @@ def test_a_compressed_file_the_file_system_fails_to_read_is_not_said_to_be_cut_s
     import errno
     import gzip
 
-    from dschat.data import local
+    from dschat.data import reading
 
     packed = tmp_path / "train.jsonl.gz"
     packed.write_bytes(gzip.compress(b'{"prompt": "a", "chosen": "b"}\n'))
@@ -429,22 +429,22 @@ def test_a_compressed_file_the_file_system_fails_to_read_is_not_said_to_be_cut_s
         def read(self, size=-1):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setitem(local.DECOMPRESSORS, ".gz", type("FailingDisk", (), {"open": FailingRead}))
+    monkeypatch.setitem(reading.DECOMPRESSORS, ".gz", type("FailingDisk", (), {"open": FailingRead}))
     with pytest.raises(OSError, match=rf"\[Errno {errno.EIO}\] {os.strerror(errno.EIO)}: '{re.escape(str(packed))}'") \
             as raised:
-        local.holds_no_bytes(str(packed))
+        reading.holds_no_bytes(str(packed))
     assert not isinstance(raised.value, DatasetFormatError)
 
     def not_permitted(path, mode, encoding=None):  # (its own file name, as open says it)
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
-    monkeypatch.setitem(local.DECOMPRESSORS, ".gz", type("Unpermitted", (), {"open": not_permitted}))
+    monkeypatch.setitem(reading.DECOMPRESSORS, ".gz", type("Unpermitted", (), {"open": not_permitted}))
     with pytest.raises(PermissionError, match=re.escape(str(packed))):
-        local.text_encoding(str(packed))
+        reading.text_encoding(str(packed))
     monkeypatch.undo()
     packed.write_bytes(b"not gzip")  # (gzip's BadGzipFile: an OSError without an errno, the data's as before)
     with pytest.raises(DatasetFormatError, match=r"train\.jsonl\.gz: not gzip data, though its name says it is"):
-        local.holds_no_bytes(str(packed))
+        reading.holds_no_bytes(str(packed))
 
 
 def test_a_download_of_shp_its_domains_folders_are_read_as_its_default_config(tmp_path, monkeypatch):
@@ -710,7 +710,7 @@ def test_a_file_named_with_another_compressions_extension_is_told_a_command_that
     subprocess.run(command, shell=True, check=True)
     plain = tmp_path / "x.csv"
     assert plain.read_text() == csv_text and len(raw(str(plain), tmp_path).raw_datasets["train"]) == len(RECORDS)
-    from dschat.data.local import decompress_command
+    from dschat.data.reading import decompress_command
 
     assert decompress_command("d/x.jsonl.gz", "zstd") == "mv d/x.jsonl.gz d/x.jsonl.zst && unzstd d/x.jsonl.zst"
     assert decompress_command("d/X.CSV.XZ", "xz") == "mv d/X.CSV.XZ d/X.CSV.xz && unxz -k d/X.CSV.xz"
@@ -1859,10 +1859,10 @@ def test_a_compressed_json_files_byte_order_mark_is_told_by_its_text_not_its_com
     of a file named compressed those are the compression's (gzip's 1f 8b), not the text's, so its text's byte-order
     mark must be read from the text (``text_encoding``): taken from the compressed bytes, a marked train.jsonl.gz was
     read as plain UTF-8, its first record refused (or its first key '\ufeffprompt')."""
-    from dschat.data import local
+    from dschat.data import reading
 
     train = tmp_path / f"bom_train.jsonl{extension}"
-    with local.DECOMPRESSORS[extension].open(train, "wb") as f:
+    with reading.DECOMPRESSORS[extension].open(train, "wb") as f:
         f.write(b"\xef\xbb\xbf" + open(write_records(RECORDS[:15], tmp_path / "train.jsonl", "jsonl"), "rb").read())
     eval_ = write_records(RECORDS[15:], tmp_path / "eval.jsonl", "jsonl")
     adapter = raw(f"jsonl:{train},{eval_}", tmp_path)
@@ -1964,7 +1964,7 @@ def test_a_csv_written_with_crlf_line_ends_reads_as_the_lf_one(tmp_path):
 def test_a_csv_is_searched_for_crlf_line_ends_without_reading_each_cell_into_python(tmp_path, monkeypatch):
     """The search for "\\r\\n" read every column as Python strings, row by row (``data[name]``): a 300,000-record CSV
     took 7 s to load instead of 1, most often to find none."""
-    from dschat.data.local import load_file
+    from dschat.data.reading import load_file
 
     def no_column_reads(self, key):
         assert not isinstance(key, str), f"column {key!r} read into Python"
@@ -2074,18 +2074,18 @@ def test_a_csv_row_that_repeats_the_header_names_its_line(tmp_path):
 def test_a_csvs_records_are_compared_with_its_header_only_where_they_could_repeat_it(tmp_path, monkeypatch):
     """Each cell of each record was stripped and compared with the header's names, a Python loop over every cell of
     a large file: a record is compared only where it has the header's length and first name."""
-    from dschat.data import local
+    from dschat.data import reading
 
     calls = []
-    name = local._column_name
-    monkeypatch.setattr(local, "_column_name", lambda cell: calls.append(cell) or name(cell))
+    name = reading._column_name
+    monkeypatch.setattr(reading, "_column_name", lambda cell: calls.append(cell) or name(cell))
     path = tmp_path / "big.csv"
     path.write_text("prompt,chosen,rejected\n" + "".join(f"Q{i}?,A{i}.,B{i}.\n" for i in range(100)))
-    assert local.csv_record_lines(str(path))[1] == list(range(2, 102))
+    assert reading.csv_record_lines(str(path))[1] == list(range(2, 102))
     assert len(calls) <= 2 * 100 + 10  # (the first cell of each and its header name; it was 6 a record)
     path.write_text("prompt,chosen,rejected\nQ?,A.,B.\n prompt , chosen,rejected\n")
     with pytest.raises(DatasetFormatError, match=rf"{path} line 3: the row repeats the header"):
-        local.csv_record_lines(str(path))
+        reading.csv_record_lines(str(path))
 
 
 def test_a_csv_separated_by_semicolons_or_tabs_says_so(tmp_path):
@@ -2237,20 +2237,20 @@ def test_nan_in_a_json_record_names_file_record_and_field(tmp_path, constant):
 def test_json_records_are_walked_for_nan_only_where_the_file_holds_one(tmp_path, monkeypatch):
     """Every value of every record was walked in Python for a NaN: checking a 300,000-line JSON Lines file took 2.2 s,
     its parse 0.6 s."""
-    from dschat.data import local
+    from dschat.data import reading
 
     walked = []
-    walk = local._not_json_number_in
-    monkeypatch.setattr(local, "_not_json_number_in", lambda value: walked.append(value) or walk(value))
+    walk = reading._not_json_number_in
+    monkeypatch.setattr(reading, "_not_json_number_in", lambda value: walked.append(value) or walk(value))
     clean = [dict(RECORDS[0]), dict(RECORDS[1])]
     (tmp_path / "clean.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clean))
     (tmp_path / "clean.json").write_text(json.dumps(clean))
-    assert list(local.check_jsonl_lines(str(tmp_path / "clean.jsonl"))) == [1, 2]
-    assert local.check_json_document(str(tmp_path / "clean.json")) is None
+    assert list(reading.check_jsonl_lines(str(tmp_path / "clean.jsonl"))) == [1, 2]
+    assert reading.check_json_document(str(tmp_path / "clean.json")) is None
     assert walked == []
     (tmp_path / "nan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clean + [dict(RECORDS[2], task=float("nan"))]))
     with pytest.raises(DatasetFormatError, match=r"line 3 \(record 2\): field 'task': NaN is not a JSON value"):
-        local.check_jsonl_lines(str(tmp_path / "nan.jsonl"))
+        reading.check_jsonl_lines(str(tmp_path / "nan.jsonl"))
 
 
 def test_a_pair_answer_of_weight_0_is_an_error(tmp_path):
@@ -2281,7 +2281,7 @@ def test_a_json_file_of_json_lines_is_checked_a_line_at_a_time_not_read_whole(tm
     import gzip
     import tracemalloc
 
-    from dschat.data import local
+    from dschat.data import reading
 
     rows = [json.dumps({"text": f"document {i} " + "word " * 200, "url": f"https://x/{i}"}) for i in range(4000)]
     path = tmp_path / "c4-train.00000-of-00001.json.gz"
@@ -2289,14 +2289,14 @@ def test_a_json_file_of_json_lines_is_checked_a_line_at_a_time_not_read_whole(tm
     size = sum(len(row) + 1 for row in rows)
     tracemalloc.start()
     try:
-        assert list(local.check_json_document(str(path))) == list(range(1, 4001))
+        assert list(reading.check_json_document(str(path))) == list(range(1, 4001))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < size / 4, (peak, size)
     path.write_bytes(gzip.compress("\n".join([*rows[:2], '{"text": "cut', *rows[2:4]]).encode()))
     with pytest.raises(DatasetFormatError, match=r"json\.gz line 3: invalid JSON \(Unterminated string"):
-        local.check_json_document(str(path))
+        reading.check_json_document(str(path))
 
 
 def test_the_record_lines_of_a_json_lines_file_without_gaps_are_held_as_a_range(tmp_path):
@@ -2306,20 +2306,20 @@ def test_the_record_lines_of_a_json_lines_file_without_gaps_are_held_as_a_range(
     errors name the line either way."""
     import tracemalloc
 
-    from dschat.data import local
+    from dschat.data import reading
 
     path = tmp_path / "many.jsonl"
     path.write_text("".join(f'{{"prompt": "q{i}", "chosen": "a", "rejected": "b"}}\n' for i in range(50000)))
     tracemalloc.start()
     try:
-        lines = local.check_jsonl_lines(str(path))
+        lines = reading.check_jsonl_lines(str(path))
         held = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
     assert (len(lines), lines[0], lines[-1]) == (50000, 1, 50000)
     assert held < 50000, held
     path.write_text(path.read_text().replace("\n", "\n\n", 2))  # (blank lines after records 1 and 2)
-    assert list(local.check_jsonl_lines(str(path))[:4]) == [1, 3, 5, 6]
+    assert list(reading.check_jsonl_lines(str(path))[:4]) == [1, 3, 5, 6]
     path.write_text("".join(f'{{"prompt": "q{i}", "chosen": "a", "rejected": "b"}}\n' for i in range(30)) +
                     '{"prompt": "q", "chosen": 7, "rejected": "b"}\n')
     with pytest.raises(DatasetFormatError, match=rf"{path} line 31 \(record 30\): field 'chosen'"):
@@ -2824,8 +2824,8 @@ def test_the_data_fields_help_names_every_field_that_can_be_renamed():
     """--data_fields' help listed prompt, chosen, rejected, messages and label, not tools= (TRL's tool schemas) nor
     system= (LLaMA-Factory's system column): flags a user learns only from the README or an error."""
     from dschat.args import step1_parser
-    from dschat.data.local import (FIELD_NAMES, LABEL_FIELD, PROMPT_PARTS, SYSTEM_FIELD, TOOLS_FIELD,
-                                   checked_field_options)
+    from dschat.data.fields import (FIELD_NAMES, LABEL_FIELD, PROMPT_PARTS, SYSTEM_FIELD, TOOLS_FIELD,
+                                    checked_field_options)
 
     renamable = (*FIELD_NAMES, LABEL_FIELD, TOOLS_FIELD, SYSTEM_FIELD, *PROMPT_PARTS)
     assert checked_field_options({name: "x" for name in renamable})  # (the list the loader accepts)
@@ -2852,7 +2852,7 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     outside a hub cache is still read for it, and an edit of it still gets a new cache."""
     import hashlib
 
-    from dschat.data import local
+    from dschat.data import digests
     from dschat.data.pipeline import create_prompt_dataset
 
     snapshot = rm_static_in_the_hub_cache(tmp_path, monkeypatch)
@@ -2860,9 +2860,9 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
     shards = sorted(snapshot.glob("data/*.parquet"))
     hashed = []
     file_digest = hashlib.file_digest
-    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+    monkeypatch.setattr(digests.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
 
-    assert [local.file_digest(str(shard)) for shard in shards] == \
+    assert [digests.file_digest(str(shard)) for shard in shards] == \
         [hashlib.sha256(shard.read_bytes()).hexdigest() for shard in shards]  # (its blob's name: the same key)
     train, _ = create_prompt_dataset(0, ["Dahoas/rm-static"], "10,0,0", str(tmp_path / "out"), 1, 1234, tokenizer, 128)
     assert len(train) == 15 and hashed == []
@@ -2875,21 +2875,21 @@ def test_a_hub_cache_files_content_hash_is_its_blobs_name_not_read(tmp_path, mon
 
 
 def mount_id_of(path):
-    """The ID of the mount ``path`` is read through (``local._mount_id`` of it open)."""
-    from dschat.data import local
+    """The ID of the mount ``path`` is read through (``digests._mount_id`` of it open)."""
+    from dschat.data import digests
 
     fd = os.open(path, os.O_RDONLY)
     try:
-        return local._mount_id(fd)
+        return digests._mount_id(fd)
     finally:
         os.close(fd)
 
 
 def on_file_system(monkeypatch, path, file_system):
-    """This process's mounts (``local._mount_file_systems``) say ``path``'s mount holds a ``file_system``."""
-    from dschat.data import local
+    """This process's mounts (``digests._mount_file_systems``) say ``path``'s mount holds a ``file_system``."""
+    from dschat.data import digests
 
-    monkeypatch.setattr(local, "_mount_file_systems", lambda: {mount_id_of(path): file_system}, raising=False)
+    monkeypatch.setattr(digests, "_mount_file_systems", lambda: {mount_id_of(path): file_system}, raising=False)
 
 
 def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tmp_path, monkeypatch):
@@ -2898,28 +2898,28 @@ def test_a_files_content_hash_is_kept_for_later_processes_until_it_is_written(tm
     its size and time, restored with touch -r) is read; a file written just before it was hashed is not kept."""
     import hashlib
 
-    from dschat.data import local
+    from dschat.data import digests
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
     hashed = []
     file_digest = hashlib.file_digest
-    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+    monkeypatch.setattr(digests.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
 
     def digest_in_a_new_process():
-        local.forget_file_digests()
-        return local.file_digest(str(data))
+        digests.forget_file_digests()
+        return digests.file_digest(str(data))
 
     # (written just now: not kept, however long the machine stalls between the write and the hash: the window is
     # wide here, and 2 s, the default, would keep it after a 3 s stall)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 10**18)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 10**18)
     with monkeypatch.context() as stalled:
-        stalled.setattr(local.time, "time_ns", lambda time_ns=local.time.time_ns: time_ns() + 3 * 10**9)
+        stalled.setattr(digests.time, "time_ns", lambda time_ns=digests.time.time_ns: time_ns() + 3 * 10**9)
         first = digest_in_a_new_process()
         assert first == hashlib.sha256(data.read_bytes()).hexdigest() and len(hashed) == 1
         assert digest_in_a_new_process() == first and len(hashed) == 2
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     assert [digest_in_a_new_process() for _ in range(3)] == [first] * 3 and len(hashed) == 3
     stat = data.stat()
     data.write_text('{"prompt": "Hi?", "chosen": "Hullo."}\n')
@@ -2935,21 +2935,21 @@ def test_a_kept_content_hash_is_that_of_the_file_opened_not_of_a_stat_before_it(
     under the stamp it had before (the hash is of neither)."""
     import hashlib
 
-    from dschat.data import local
+    from dschat.data import digests
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
-    old = local.file_digest(str(data))  # (kept)
+    old = digests.file_digest(str(data))  # (kept)
     cached_attributes = os.stat(data)
     data.write_text('{"prompt": "Hi?", "chosen": "Hullo there."}\n')  # (another machine's edit)
     real_stat = os.stat
     with monkeypatch.context() as patch:
-        patch.setattr(local.os, "stat", lambda path, *a, **kw: cached_attributes if str(path) == str(data)
+        patch.setattr(digests.os, "stat", lambda path, *a, **kw: cached_attributes if str(path) == str(data)
                       else real_stat(path, *a, **kw))
-        local.forget_file_digests()  # (a later process)
-        assert local.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest() != old
+        digests.forget_file_digests()  # (a later process)
+        assert digests.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest() != old
 
     # (written while it is read: the stamp it had when opened keeps nothing)
     other = tmp_path / "other.jsonl"
@@ -2961,10 +2961,10 @@ def test_a_kept_content_hash_is_that_of_the_file_opened_not_of_a_stat_before_it(
         other.write_text('{"prompt": "Hey?", "chosen": "Hullo there."}\n')
         return file_digest(f, *a)
 
-    monkeypatch.setattr(local.hashlib, "file_digest", written_while_read)
-    local.file_digest(str(other))
+    monkeypatch.setattr(digests.hashlib, "file_digest", written_while_read)
+    digests.file_digest(str(other))
     stamp = (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns, before.st_ctime_ns)
-    assert not os.path.exists(local._digest_memo_path(str(other), stamp))
+    assert not os.path.exists(digests._digest_memo_path(str(other), stamp))
 
 
 def test_a_kept_content_hash_can_be_read_by_the_other_users_of_a_shared_cache(tmp_path, monkeypatch):
@@ -2976,18 +2976,18 @@ def test_a_kept_content_hash_can_be_read_by_the_other_users_of_a_shared_cache(tm
 
     import datasets
 
-    from dschat.data import local
+    from dschat.data import digests
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
     mask = os.umask(0o022)
     try:
-        local.file_digest(str(data))
+        digests.file_digest(str(data))
     finally:
         os.umask(mask)
-    [memo] = glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*"))
+    [memo] = glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, digests.DIGEST_MEMO_FOLDER, "*", "*"))
     assert stat.S_IMODE(os.stat(memo).st_mode) == 0o644
 
 
@@ -3001,21 +3001,21 @@ def test_a_files_content_hash_is_kept_only_on_a_file_system_whose_change_time_a_
 
     import datasets
 
-    from dschat.data import local
+    from dschat.data import digests
 
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
     hashed = []
     file_digest = hashlib.file_digest
-    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
-    memos = os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*")
+    monkeypatch.setattr(digests.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+    memos = os.path.join(datasets.config.HF_DATASETS_CACHE, digests.DIGEST_MEMO_FOLDER, "*", "*")
 
     def hashes_in_new_processes():
         hashed.clear()
         for _ in range(3):
-            local.forget_file_digests()  # (a later process)
-            assert local.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest()
+            digests.forget_file_digests()  # (a later process)
+            assert digests.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest()
         return len(hashed)
 
     for file_system in ("squashfs", "erofs", "vfat", "fuse.s3fs", "overlay", None):
@@ -3036,19 +3036,19 @@ def test_kept_content_hashes_of_files_gone_or_written_since_are_pruned_now_and_t
     import glob
     import time
 
-    from dschat.data import local
+    from dschat.data import digests
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
-    folder = local._digest_memo_folder()
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    folder = digests._digest_memo_folder()
 
     def kept(name, text):
         path = tmp_path / name
         path.write_text(text)
-        local.forget_file_digests()
-        local.file_digest(str(path))
+        digests.forget_file_digests()
+        digests.file_digest(str(path))
         st = os.stat(path)
-        return path, local._digest_memo_path(str(path), local._stat_stamp(st))
+        return path, digests._digest_memo_path(str(path), digests._stat_stamp(st))
 
     live, live_memo = kept("live.jsonl", "live")
     gone, gone_memo = kept("gone.jsonl", "gone")
@@ -3066,16 +3066,16 @@ def test_kept_content_hashes_of_files_gone_or_written_since_are_pruned_now_and_t
     month_ago = time.time() - 31 * 24 * 3600
     os.utime(unnamed_old, (month_ago, month_ago))
     # (pruned a day ago: the next entry written prunes)
-    os.utime(os.path.join(folder, local.PRUNED_MARK), (month_ago, month_ago))
+    os.utime(os.path.join(folder, digests.PRUNED_MARK), (month_ago, month_ago))
     _, new_memo = kept("new.jsonl", "new")
     memos = set(glob.glob(os.path.join(folder, "*", "*")))
     assert memos == {live_memo, new_memo, unnamed_new, writing}, memos
-    assert local._kept_digest(str(live), local._stat_stamp(os.stat(live))) is not None  # (still read)
+    assert digests._kept_digest(str(live), digests._stat_stamp(os.stat(live))) is not None  # (still read)
     # (pruned just now: not again until a day has passed)
     live.unlink()
     kept("newer.jsonl", "newer")
     assert os.path.exists(live_memo)
-    local.prune_kept_digests(folder)
+    digests.prune_kept_digests(folder)
     assert not os.path.exists(live_memo)
 
 
@@ -3126,23 +3126,23 @@ def test_a_process_killed_while_hashing_on_a_cache_without_flock_holds_no_later_
 def test_a_files_file_system_is_read_from_this_processs_mountinfo(tmp_path, monkeypatch):
     """The mounts' file systems by device (/proc/self/mountinfo's MAJOR:MINOR and the type after " - "); none where
     it cannot be read (no /proc: macOS), so nothing is kept there."""
-    from dschat.data import local
+    from dschat.data import digests
 
     mountinfo = (
         "27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
         "36 27 7:3 / /mnt/my\\040image rw,nosuid master:2 shared:3 - squashfs /dev/loop3 ro\n"
         "40 27 0:45 / /data rw - fuse.s3fs s3fs rw\n")
-    assert local._file_systems_of_mountinfo(mountinfo) == {27: "ext4", 36: "squashfs", 40: "fuse.s3fs"}
-    local._mount_file_systems.cache_clear()
+    assert digests._file_systems_of_mountinfo(mountinfo) == {27: "ext4", 36: "squashfs", 40: "fuse.s3fs"}
+    digests._mount_file_systems.cache_clear()
     try:
         # (this machine's own: the mount a file here is read through is one of them)
-        assert mount_id_of(tmp_path) in local._mount_file_systems()
-        local._mount_file_systems.cache_clear()
-        monkeypatch.setattr(local, "MOUNTINFO", str(tmp_path / "none"))
+        assert mount_id_of(tmp_path) in digests._mount_file_systems()
+        digests._mount_file_systems.cache_clear()
+        monkeypatch.setattr(digests, "MOUNTINFO", str(tmp_path / "none"))
         with open(tmp_path / "data.txt", "w") as f:
-            assert local._mount_file_systems() == {} and not local._keeps_change_time(f.fileno())
+            assert digests._mount_file_systems() == {} and not digests._keeps_change_time(f.fileno())
     finally:
-        local._mount_file_systems.cache_clear()
+        digests._mount_file_systems.cache_clear()
 
 
 def test_a_btrfs_files_content_hash_is_kept_though_its_device_is_not_its_mounts(tmp_path, monkeypatch):
@@ -3154,9 +3154,9 @@ def test_a_btrfs_files_content_hash_is_kept_though_its_device_is_not_its_mounts(
 
     import datasets
 
-    from dschat.data import local
+    from dschat.data import digests
 
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
     device = os.stat(data).st_dev
@@ -3164,19 +3164,19 @@ def test_a_btrfs_files_content_hash_is_kept_though_its_device_is_not_its_mounts(
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(f"{mount_id_of(data)} 1 {unlike_it} /@ / rw,relatime shared:1 - btrfs /dev/sda2 "
                          "rw,space_cache=v2,subvolid=256,subvol=/@\n")
-    monkeypatch.setattr(local, "MOUNTINFO", str(mountinfo))
-    local._mount_file_systems.cache_clear()
+    monkeypatch.setattr(digests, "MOUNTINFO", str(mountinfo))
+    digests._mount_file_systems.cache_clear()
     hashed = []
     file_digest = hashlib.file_digest
-    monkeypatch.setattr(local.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
+    monkeypatch.setattr(digests.hashlib, "file_digest", lambda f, *a: hashed.append(f.name) or file_digest(f, *a))
     try:
         for _ in range(3):
-            local.forget_file_digests()  # (a later process)
-            assert local.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest()
+            digests.forget_file_digests()  # (a later process)
+            assert digests.file_digest(str(data)) == hashlib.sha256(data.read_bytes()).hexdigest()
     finally:
-        local._mount_file_systems.cache_clear()
+        digests._mount_file_systems.cache_clear()
     assert len(hashed) == 1
-    assert len(glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, local.DIGEST_MEMO_FOLDER, "*", "*"))) == 1
+    assert len(glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, digests.DIGEST_MEMO_FOLDER, "*", "*"))) == 1
 
 
 @pytest.mark.parametrize("name", ["train.jsonl", "c4-train.00000-of-00001.json.gz"])
@@ -3190,10 +3190,10 @@ def test_a_json_files_passed_check_is_kept_by_its_content_and_a_changed_file_is_
     not a hub download's (its blob named by its hash)."""
     import gzip
 
-    from dschat.data import local
+    from dschat.data import digests, reading
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     path = tmp_path / name
     rows = [{"prompt": "Weather?", "chosen": "Sun.", "meta": {"city": "Paris", "unit": "c"}},
             {"prompt": "In F?", "chosen": "Hot.", "meta": {"unit": "f", "city": "Rome"}},
@@ -3204,18 +3204,18 @@ def test_a_json_files_passed_check_is_kept_by_its_content_and_a_changed_file_is_
 
     write(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(row) + "\n" for row in rows[1:]))  # (a gap: line 2)
     checked = []
-    check = local.check_jsonl_lines
-    monkeypatch.setattr(local, "check_jsonl_lines", lambda *args: checked.append(args[0]) or check(*args))
+    check = reading.check_jsonl_lines
+    monkeypatch.setattr(reading, "check_jsonl_lines", lambda *args: checked.append(args[0]) or check(*args))
 
     def read_in_a_new_process():
-        local.forget_file_digests()
-        return local.load_file("json" if name.endswith(".json.gz") else "jsonl", str(path))
+        digests.forget_file_digests()
+        return reading.load_file("json" if name.endswith(".json.gz") else "jsonl", str(path))
 
     first, lines = read_in_a_new_process()
     again, kept_lines = read_in_a_new_process()
     assert len(checked) == 1 and again[:] == first[:] and list(kept_lines) == list(lines) == [1, 3, 4]
     assert list(again[1]["meta"]) == ["unit", "city"]  # (the key orders the check gathered: as written)
-    assert local.record_where(str(path), 2, kept_lines) == f"{path} line 4 (record 2)"
+    assert reading.record_where(str(path), 2, kept_lines) == f"{path} line 4 (record 2)"
     write("".join(json.dumps(row) + "\n" for row in rows))  # (no gap: lines kept as a range)
     assert list(read_in_a_new_process()[1]) == [1, 2, 3] == list(read_in_a_new_process()[1]) and len(checked) == 2
     write(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]) + "\n" + '{"prompt": "cut\n')
@@ -3250,11 +3250,12 @@ def test_a_json_files_load_opens_it_for_its_hash_once_and_stats_it_for_none(tmp_
 
     import datasets
 
-    from dschat.data import local
+    from dschat.data import digests, reading, sources
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
-    monkeypatch.setattr(local, "_prune_now_and_then", lambda folder: None)  # (once a day: it stats every kept file)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "_prune_now_and_then", lambda folder: None)  # (once a day: it stats every kept file)
+    monkeypatch.setattr(reading, "_prune_now_and_then", lambda folder: None)  # (its own name of it: the kept passes')
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
     opened, stated = [], []
@@ -3279,19 +3280,19 @@ def test_a_json_files_load_opens_it_for_its_hash_once_and_stats_it_for_none(tmp_
     monkeypatch.setattr(datasets, "load_dataset", load_dataset_uncounted)
 
     def opened_and_stated_by(read):
-        local.forget_file_digests()  # (a new process)
+        digests.forget_file_digests()  # (a new process)
         del opened[:], stated[:]
         read()
         return {"opened": len(opened), "stated": len(stated)}
 
     # (cold: its hash and first bytes (compressed? its encoding), whether its pass will be kept (the ranks' turns),
     # the check's read, its stamp after the check)
-    assert opened_and_stated_by(lambda: local.load_file("jsonl", str(data))) == {"opened": 4, "stated": 0}
+    assert opened_and_stated_by(lambda: reading.load_file("jsonl", str(data))) == {"opened": 4, "stated": 0}
     # (warm: its hash and first bytes)
-    assert opened_and_stated_by(lambda: local.load_file("jsonl", str(data))) == {"opened": 1, "stated": 0}
-    source = local.LocalSource("jsonl", str(data), None, str(data))
+    assert opened_and_stated_by(lambda: reading.load_file("jsonl", str(data))) == {"opened": 1, "stated": 0}
+    source = sources.LocalSource("jsonl", str(data), None, str(data))
     assert opened_and_stated_by(source.fingerprint) == {"opened": 1, "stated": 1}  # (all_files: is it a file?)
-    assert source.fingerprint()["files"] == [[str(data), data.stat().st_size, local.file_digest(str(data))]]
+    assert source.fingerprint()["files"] == [[str(data), data.stat().st_size, digests.file_digest(str(data))]]
 
 
 def test_a_json_file_written_while_it_is_checked_is_loaded_under_the_hash_of_what_is_read(tmp_path, monkeypatch):
@@ -3299,10 +3300,10 @@ def test_a_json_file_written_while_it_is_checked_is_loaded_under_the_hash_of_wha
     while it was checked (a first check, no pass kept) had its new rows cached under its old content's name, and a
     later load of the old content (its time kept, as datasets' own key has it) read the new rows. A file whose stamp
     after its check is not the one it was hashed under is hashed again, and loaded under that hash."""
-    from dschat.data import local
+    from dschat.data import digests, reading
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before: its hash kept)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before: its hash kept)
     data = tmp_path / "train.jsonl"
     old, new = '{"prompt": "Hi?", "chosen": "Hello."}\n', '{"prompt": "Bye?", "chosen": "Goodbye."}\n'
     data.write_text(old)
@@ -3312,24 +3313,24 @@ def test_a_json_file_written_while_it_is_checked_is_loaded_under_the_hash_of_wha
         data.write_text(text)
         os.utime(data, ns=(times.st_atime_ns, times.st_mtime_ns))  # (its time kept)
 
-    check = local.check_jsonl_lines
-    monkeypatch.setattr(local, "check_jsonl_lines", lambda path, *args: write(new) or check(path, *args))
-    assert local.load_file("jsonl", str(data))[0]["prompt"] == ["Bye?"]
-    monkeypatch.setattr(local, "check_jsonl_lines", check)
+    check = reading.check_jsonl_lines
+    monkeypatch.setattr(reading, "check_jsonl_lines", lambda path, *args: write(new) or check(path, *args))
+    assert reading.load_file("jsonl", str(data))[0]["prompt"] == ["Bye?"]
+    monkeypatch.setattr(reading, "check_jsonl_lines", check)
     write(old)
-    local.forget_file_digests()  # (a later process)
-    assert local.load_file("jsonl", str(data))[0]["prompt"] == ["Hi?"]
+    digests.forget_file_digests()  # (a later process)
+    assert reading.load_file("jsonl", str(data))[0]["prompt"] == ["Hi?"]
 
 
 def _check_json_in_child(args):
-    """Runs in a forked process: check the JSON Lines file ``path`` (``local.checked_json``) once both processes are
+    """Runs in a forked process: check the JSON Lines file ``path`` (``reading.checked_json``) once both processes are
     ready, the check slowed and each one made written as a line to ``marker``; (record lines, key orders) back."""
     import time
 
-    from dschat.data import local
+    from dschat.data import digests, reading
 
     path, marker, barrier = args
-    check = local.check_jsonl_lines
+    check = reading.check_jsonl_lines
 
     def slow_recorded_check(*check_args):
         time.sleep(1)  # (long enough for the other process to start checking too, where nothing stops it)
@@ -3337,10 +3338,10 @@ def _check_json_in_child(args):
             f.write(f"{os.getpid()}\n")
         return check(*check_args)
 
-    local.check_jsonl_lines = slow_recorded_check
+    reading.check_jsonl_lines = slow_recorded_check
     barrier.wait()
-    key_orders = local._KeyOrders()
-    lines, _ = local.checked_json("jsonl", path, key_orders, local.file_digest_and_stamp(path))
+    key_orders = reading._KeyOrders()
+    lines, _ = reading.checked_json("jsonl", path, key_orders, digests.file_digest_and_stamp(path))
     return list(lines), key_orders.as_json()
 
 
@@ -3350,14 +3351,14 @@ def test_the_processes_of_a_node_check_a_json_file_once(tmp_path, monkeypatch):
     processes checking one file at once check it once, and both get what the check gave."""
     import multiprocessing
 
-    from dschat.data import local
+    from dschat.data import digests
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     path, marker = tmp_path / "train.jsonl", tmp_path / "checked"
     path.write_text('{"prompt": "Hi?", "chosen": "Hello.", "meta": {"b": 1, "a": 2}}\n\n'
                     '{"prompt": "Hey?", "chosen": "Hello.", "meta": {"a": 1, "b": 2}}\n')
-    local.file_digest(str(path))  # (its hash kept: the processes only check it)
+    digests.file_digest(str(path))  # (its hash kept: the processes only check it)
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Manager().Barrier(2)
     with ctx.Pool(2) as pool:
@@ -3373,17 +3374,17 @@ def test_a_splits_records_that_passed_are_not_read_again_for_the_same_content_an
     another seed or output folder, walks none of them; other settings (--data_fields) walk them again; a bad record
     keeps nothing, its error the same each time; a file whose hash later processes would not find is walked each
     time, as before."""
-    from dschat.data import local
+    from dschat.data import digests, local
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     walked = []
     read = local.LocalDataset.get_conversation
     monkeypatch.setattr(local.LocalDataset, "get_conversation", lambda self, sample: walked.append(1) or
                         read(self, sample))
 
     def walked_in_a_new_process(spec, seed=1234, **fields):
-        local.forget_file_digests()
+        digests.forget_file_digests()
         walked.clear()
         raw(spec, tmp_path / f"run{seed}", seed, **fields)
         return len(walked)
@@ -3413,10 +3414,10 @@ def test_a_splits_records_pass_is_kept_by_the_content_it_loaded_not_by_a_write_d
     train split's walk, seconds to minutes of it): an eval file written meanwhile kept the pass of the records loaded
     before the write under the new content's hash, and the next run took the new records, a bad one among them, as
     passed, unread. The pass is kept by the hashes the files were loaded by; a file written since keeps none."""
-    from dschat.data import local
+    from dschat.data import digests, local
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(local, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
     (tmp_path / "data").mkdir()
     train = write_records(RECORDS, tmp_path / "data" / "train.jsonl", "jsonl")
     test = write_records(RECORDS[:5], tmp_path / "data" / "test.jsonl", "jsonl")
@@ -3428,9 +3429,9 @@ def test_a_splits_records_pass_is_kept_by_the_content_it_loaded_not_by_a_write_d
             write_records(RECORDS[:4] + [{**RECORDS[4], "chosen": 5}], tmp_path / "data" / "test.jsonl", "jsonl")
 
     monkeypatch.setattr(local.LocalDataset, "_validate", eval_file_written_during_the_train_walk)
-    local.forget_file_digests()
+    digests.forget_file_digests()
     raw(str(tmp_path / "data"), tmp_path / "run1")  # (its eval split loaded before the write: it passes)
     monkeypatch.setattr(local.LocalDataset, "_validate", validate)
-    local.forget_file_digests()
+    digests.forget_file_digests()
     with pytest.raises(DatasetFormatError, match=rf"{re.escape(test)} line 5 \(record 4\): .*'chosen'"):
         raw(str(tmp_path / "data"), tmp_path / "run2")

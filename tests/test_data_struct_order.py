@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from dschat.data.local import LocalDataset, resolve_local_spec
+from dschat.data.local import LocalDataset
+from dschat.data.sources import resolve_local_spec
 
 
 def call(arguments):
@@ -73,12 +74,12 @@ def test_a_jsonl_file_of_objects_is_searched_for_reordered_keys_a_line_at_a_time
     objects, to look for a reordered one: a large file of messages held its records twice over in memory (beside
     the text and its lines) where datasets' own columns were kept. It is read a line at a time now; only a file
     with a reordered object (or a column of mixed types) is read whole, to be rebuilt."""
-    from dschat.data import local
+    from dschat.data import reading
 
     def read_whole(kind, path):
         raise AssertionError(f"{path} read whole")
 
-    monkeypatch.setattr(local, "_json_records", read_whole)
+    monkeypatch.setattr(reading, "_json_records", read_whole)
     same = [record("Weather in Paris?", {"city": "Paris", "unit": "c"}),
             record("Weather in Rome?", {"city": "Rome", "unit": "f"})]
     _, samples = read(tmp_path, "jsonl", same)
@@ -95,7 +96,7 @@ def test_a_json_file_of_objects_is_parsed_once_where_no_object_is_reordered(tmp_
     """The key-order search parsed every JSON file with a column of objects (messages) a second time after its check
     had parsed it (a JSON Lines file a line at a time, a .json file whole): the check gathers the key orders in its
     own parse now. A file with a reordered object is still read again, to be rebuilt as written."""
-    from dschat.data import local
+    from dschat.data import reading
 
     parsed = []
 
@@ -107,7 +108,7 @@ def test_a_json_file_of_objects_is_parsed_once_where_no_object_is_reordered(tmp_
             parsed.append(text.strip())
             return json.loads(text, **options)
 
-    monkeypatch.setattr(local, "json", CountingJson())
+    monkeypatch.setattr(reading, "json", CountingJson())
     same = [record("Weather in Paris?", {"city": "Paris", "unit": "c"}),
             record("Weather in Rome?", {"city": "Rome", "unit": "f"})]
     _, samples = read(tmp_path, kind, same)
@@ -128,20 +129,20 @@ def test_records_without_an_object_inside_are_not_walked_for_key_orders(tmp_path
     """A flat file's records (text, numbers, lists of them) hold no object whose keys datasets could reorder: walking
     each one for its key orders cost ~10% of reading a flat file (50k records). Only a record with an object inside
     is walked (a .json array's records, where one has), and one reordered among flat records still reads as written."""
-    from dschat.data import local
+    from dschat.data import reading
 
     walked = []
-    add = local._KeyOrders.add
-    monkeypatch.setattr(local._KeyOrders, "add", lambda self, row: (walked.append(row), add(self, row))[1])
+    add = reading._KeyOrders.add
+    monkeypatch.setattr(reading._KeyOrders, "add", lambda self, row: (walked.append(row), add(self, row))[1])
     flat = [{"prompt": f"Question {i}?", "chosen": f"Yes {i}.", "tags": ["a", ["b"]], "score": i} for i in range(3)]
     path = tmp_path / f"flat.{kind}"
     path.write_text(json.dumps(flat) if kind == "json" else "".join(json.dumps(row) + "\n" for row in flat))
-    data, _ = local.load_file(kind, str(path))
+    data, _ = reading.load_file(kind, str(path))
     assert walked == [] and data[2]["prompt"] == "Question 2?"
 
     rows = flat + [{**flat[0], "meta": {"city": "Paris", "unit": "c"}},
                    {**flat[1], "meta": {"unit": "f", "city": "Rome"}}]
     path.write_text(json.dumps(rows) if kind == "json" else "".join(json.dumps(row) + "\n" for row in rows))
-    data, _ = local.load_file(kind, str(path))
+    data, _ = reading.load_file(kind, str(path))
     assert walked == (rows[3:] if kind == "jsonl" else rows)  # (a .json array's objects are counted as a whole)
     assert list(data[4]["meta"]) == ["unit", "city"] and list(data[3]["meta"]) == ["city", "unit"]

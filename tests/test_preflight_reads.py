@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dschat.data import local
+from dschat.data import digests, reading
 from dschat.steps import common, sft
 from launch import REPO
 
@@ -18,10 +18,10 @@ class Ran(Exception):
 
 
 def counted_reads(monkeypatch):
-    """{file: how many times its records were read} (``local.load_file``: every local file's, and a hub dataset's
+    """{file: how many times its records were read} (``reading.load_file``: every local file's, and a hub dataset's
     download's)."""
-    reads, load_file = Counter(), local.load_file
-    monkeypatch.setattr(local, "load_file", lambda kind, path: reads.update([os.path.realpath(path)]) or
+    reads, load_file = Counter(), reading.load_file
+    monkeypatch.setattr(reading, "load_file", lambda kind, path: reads.update([os.path.realpath(path)]) or
                         load_file(kind, path))
     return reads
 
@@ -116,7 +116,7 @@ def test_a_kept_copy_whose_data_folder_is_a_link_is_read_again_once_its_files_ar
     tokenized-data cache's key, ``LocalSource.fingerprint``, held none of their content)."""
     import pandas as pd
 
-    from dschat.data.local import LocalSource
+    from dschat.data.sources import LocalSource
     from dschat.data.raw_datasets import HUB_COPIES, get_raw_dataset, reads_kept
 
     def write_split(split, rows):
@@ -140,7 +140,7 @@ def test_a_kept_copy_whose_data_folder_is_a_link_is_read_again_once_its_files_ar
 
 
 def test_a_link_up_out_of_a_data_folder_is_not_walked(tmp_path):
-    """A data folder's files walked into its linked folders (``local.all_files``) stop at a link back to the folder or
+    """A data folder's files walked into its linked folders (``digests.all_files``) stop at a link back to the folder or
     up to one holding it: the walk would not end, or would list (and hash) every file above it."""
     folder = tmp_path / "data" / "copy"
     (folder / "train").mkdir(parents=True)
@@ -148,7 +148,7 @@ def test_a_link_up_out_of_a_data_folder_is_not_walked(tmp_path):
     (tmp_path / "data" / "other.arrow").write_text("y")
     (folder / "train" / "back").symlink_to(folder, target_is_directory=True)
     (folder / "up").symlink_to(tmp_path / "data", target_is_directory=True)
-    assert local.all_files(str(folder)) == [str(folder / "train" / "part.arrow")]
+    assert digests.all_files(str(folder)) == [str(folder / "train" / "part.arrow")]
 
 
 def write_rm_static_in_datasets_cache(tmp_path):

@@ -2,7 +2,7 @@
 
 * ``get_raw_dataset(name, output_path, seed, local_rank, **field_options)``: an adapter
   (``PromptRawDataset``) for a hub dataset (exact names in ``HUB_DATASETS``), ``"tiny"``, or local files
-  (``jsonl:PATH`` etc.; see ``dschat.data.local``).
+  (``jsonl:PATH`` etc.; see ``dschat.data.sources``).
 * ``create_prompt_dataset(...)``: tokenized, cached (train, eval) torch datasets for phase 1, 2 or 3.
 * ``DataCollatorSFT`` / ``DataCollatorReward`` / ``DataCollatorRLHF``: batch padding per phase
   (``DataCollatorDPO``: phase 2 plus the answer-token mask).
@@ -13,13 +13,15 @@ from .base import PromptRawDataset
 from .cache import FORMAT_VERSION, tokenizer_fingerprint
 from .collators import DataCollatorDPO, DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, pad_sequences
 from .errors import DatasetFormatError, RecordError, SkipRecord
+from .fields import parse_field_map
 from .formatting import format_answer, format_prompt, get_eot_token, parse_transcript
-from .local import LocalDataset, LocalSource, parse_field_map
+from .local import LocalDataset
 from .pipeline import PromptDataset, create_prompt_dataset, format_skip_line
 from .raw_datasets import (HUB_DATASETS, TINY_NAME, AnthropicHhrlhfDataset, DahoasFullhhrlhfDataset,
                            DahoasRmstaticDataset, DahoasSyntheticinstructgptjpairwiseDataset,
                            OpenaiWebgptcomparisonsDataset, StanfordnlpSHPDataset,
                            YitingxieRlhfrewarddatasetsDataset, get_raw_dataset, known_dataset_names)
+from .sources import LocalSource
 from .splits import get_raw_dataset_split_index, get_shuffle_idx
 from .unsupervised import get_unsupervised_data
 

@@ -54,9 +54,9 @@ def hub_cache_download(name, config_name=None):
     """The folder of the hub dataset ``name``'s download in the hub cache (``hub_cache_snapshot``; with
     ``config_name``, that config's folder in it, as Salesforce/wikitext's
     wikitext-2-raw-v1/train-00000-of-00002.parquet) where it holds split files dschat reads
-    (``local._hub_split_files``), else None. datasets reads only its own cache offline: such a download was "not in
+    (``sources._hub_split_files``), else None. datasets reads only its own cache offline: such a download was "not in
     the datasets cache", while the folder's path read as local data."""
-    from .local import _hub_split_files
+    from .sources import _hub_split_files
 
     folder = hub_cache_snapshot(name)
     if folder is None:
@@ -159,7 +159,8 @@ class PromptRawDataset:
         directory nor a DatasetDict directory" ended the step in a traceback, where its path as --data_path read."""
         from datasets import load_from_disk
 
-        from .local import _hub_split_files, _is_saved_dataset
+        from .reading import _is_saved_dataset
+        from .sources import _hub_split_files
 
         if _is_saved_dataset(self.dataset_name):
             saved = load_from_disk(self.dataset_name)
@@ -177,10 +178,10 @@ class PromptRawDataset:
     def downloaded_copy(self, folder, copy):
         """{split: Dataset} of the splits the reader reads of a download of the dataset's hub repository at ``folder``
         (``copy``: it as errors say it): data/train-00000-of-00001.parquet and its test file, each split read as a
-        --data_path folder's are (``local.hub_download_split``)."""
+        --data_path folder's are (``sources.hub_download_split``)."""
         from datasets import DatasetDict
 
-        from .local import _hub_split_files, check_download_splits, check_subsets_alike, hub_download_split
+        from .sources import _hub_split_files, check_download_splits, check_subsets_alike, hub_download_split
 
         downloaded = _hub_split_files(folder)
         self.check_copy_splits(list(downloaded), copy, f"download all its files ({self.download_command()}), or give "

@@ -46,11 +46,12 @@ from dschat.report import counted
 from .base import TOOL_ROLES, has_tool_turns
 from .cache import cache_folder, cache_key, ensure_built, quiet_datasets, tokenizer_fingerprint
 from .errors import DatasetFormatError, EndsWithUser, RecordError, SkipRecord, UntrainedAnswer
+from .fields import as_data_fields
 from .formatting import (ToolCallAnswer, format_answer, format_prompt, get_eot_token, templated_answer,
                          uses_chat_template)
-from .local import LocalSource, as_data_fields
 from .multiturn import answered_turns, check_offsets_available, earlier_answer_spans
 from .raw_datasets import get_raw_dataset, resolve_dataset_spec
+from .sources import LocalSource
 from .splits import compute_split_indices, get_raw_dataset_split_index, get_shuffle_idx, parse_data_split
 
 TOKENIZE_BATCH = 1000

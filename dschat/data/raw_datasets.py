@@ -8,7 +8,7 @@ Dispatch (first match wins):
    of its hub repository; ``PromptRawDataset.local_copy``), else ``load_dataset(name)``;
 2. ``"tiny"``: the small dataset shipped in ``dschat/tiny/data/{train,eval}.jsonl``;
 3. a local source: ``jsonl:PATH``, ``json:PATH``, ``parquet:PATH``, ``csv:PATH``, ``disk:PATH`` or a bare
-   existing path (see ``dschat.data.local`` for the forms).
+   existing path (see ``dschat.data.sources`` for the forms).
 
 Anything else raises ``ValueError`` listing the known names.
 
@@ -284,7 +284,7 @@ def unknown_dataset_error(dataset_name, flag="--data_path"):
 def resolve_dataset_spec(dataset_name, flag="--data_path"):
     """A hub adapter class, or a ``LocalSource`` for tiny/local specs; UsageError for anything else, naming ``flag``
     (the one that gave it)."""
-    from .local import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec, tiny_source
+    from .sources import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec, tiny_source
 
     if dataset_name in HUB_DATASETS:
         return HUB_DATASETS[dataset_name]
@@ -303,7 +303,8 @@ def anchored_spec(spec, folder):
     paths made absolute where the files are still there (DeepSpeed-Chat's local/jsonfile becomes the two files it
     read). Names (tiny, hub datasets), and specs whose files are no longer under ``folder`` (a moved project, read
     from the current folder as typed), come back unchanged."""
-    from .local import LOCAL_JSONFILE, LOCAL_TYPES, _split_paths
+    from .fields import LOCAL_TYPES
+    from .sources import LOCAL_JSONFILE, _split_paths
 
     if spec in HUB_DATASETS or spec == TINY_NAME:
         return spec
@@ -338,7 +339,7 @@ def is_tiny_data(specs):
 
 
 def _is_tiny_spec(spec):
-    from .local import LOCAL_JSONFILE, resolve_local_spec
+    from .sources import LOCAL_JSONFILE, resolve_local_spec
 
     if spec == TINY_NAME:
         return True
@@ -390,7 +391,8 @@ def get_raw_dataset(dataset_name, output_path, seed, local_rank, flag="--data_pa
     messages=...) rename the fields of local data; hub datasets have fixed schemas and ignore them. ``flag``: the one
     that gave it (step 1's --sft_only_data_path), named where it cannot be read. Inside a ``reads_kept`` block, files
     read before (unchanged since) are not read again."""
-    from .local import LocalDataset, files_stamp
+    from .digests import files_stamp
+    from .local import LocalDataset
 
     resolved = resolve_dataset_spec(dataset_name, flag)
     if isinstance(resolved, type):
@@ -407,7 +409,7 @@ def _hub_dataset_reader(reader_class, name, output_path, seed, local_rank, flag)
     """The hub dataset ``name``'s reader (``reader_class``), made once: a reader built to load the data was built again
     around what it had loaded. Inside a ``reads_kept`` block of its kind (a local copy's, or the caches' offline) the
     data of an earlier call is taken, in a reader made with this caller's seed, output path and flag."""
-    from .local import files_stamp
+    from .digests import files_stamp
 
     def reader(raw_datasets=None):
         return reader_class(output_path, seed, local_rank, flag=flag, raw_datasets=raw_datasets)
@@ -433,7 +435,7 @@ def hub_caches_stamp(name):
     from huggingface_hub import constants
 
     from dschat.models.loading import hub_unavailable
-    from .local import files_stamp
+    from .digests import files_stamp
 
     if not hub_unavailable():
         return None

@@ -16,11 +16,13 @@ import re
 
 from dschat.errors import MissingInputError, UsageError, given_as
 from .base import hub_cache_snapshot, load_hub_dataset_else_download, splits_said
+from .digests import all_files, file_digest
 from .errors import DatasetFormatError
-from .local import (COMPRESSED_EXTENSIONS, all_files, caused_by, check_compression_read, compressed_with,
-                    data_spec_where, decompress_command, file_digest, holds_no_bytes, load_content_keyed, load_file,
-                    not_utf8_error, only_blank_lines, record_where, text_encoding)
 from .pipeline import print_skip_lines
+from .reading import (COMPRESSED_EXTENSIONS, caused_by, check_compression_read, compressed_with, decompress_command,
+                      holds_no_bytes, load_content_keyed, load_file, not_utf8_error, only_blank_lines, record_where,
+                      text_encoding)
+from .sources import data_spec_where
 
 # (CSV and parquet as the prompt data's files: a .csv or .parquet path was looked up on the hub)
 LOCAL_TEXT_TYPES = {"text": "text", "txt": "text", "jsonl": "jsonl", "json": "json", "csv": "csv", "parquet": "parquet"}
@@ -99,7 +101,8 @@ def local_copy_files(folder, config_name=None):
     """The files ``local_copy_train`` reads of ``folder``: a save_to_disk folder's (not the files datasets' map writes
     there: the tokenizing of this very run or another rank's), a download's train files (not its other configs' nor
     hf's own metadata)."""
-    from .local import _hub_split_files, _is_saved_dataset
+    from .reading import _is_saved_dataset
+    from .sources import _hub_split_files
 
     if _is_saved_dataset(folder):
         return [path for path in all_files(folder) if not written_by_map(os.path.basename(path))]
@@ -173,7 +176,7 @@ def check_unsupervised_file(name, config_name=None):
     download folder without the train files of the config ``config_name`` (or with an empty shard of them), is an
     error naming it: train.py checks before step 1 trains (step 3 read it after steps 1 and 2). A download's files
     are not read here (allenai/c4's en/ is 1024 shards): step 3 reads them."""
-    from .local import _is_saved_dataset
+    from .reading import _is_saved_dataset
 
     local = _local_text_source(name) if name and name != "tiny" else None
     if local is not None:
@@ -281,15 +284,15 @@ def downloaded_train(name, folder, copy, flag="--unsupervised_dataset_name"):
     """The train split of a download of the hub dataset ``name`` at ``folder`` (the config's folder of it: c4's en/;
     ``copy``: it as errors say it), its shards read as one, as a --data_path folder's are (``hub_download_split``); an
     error names ``flag``."""
-    from .local import hub_download_split
+    from .sources import hub_download_split
 
     return hub_download_split(download_train_files(name, folder, copy, flag))
 
 
 def download_train_files(name, folder, copy, flag="--unsupervised_dataset_name"):
-    """``downloaded_train``'s files, checked (``local.check_download_splits``: some of its shards are read, and
+    """``downloaded_train``'s files, checked (``sources.check_download_splits``: some of its shards are read, and
     said), not read."""
-    from .local import _hub_split_files, check_download_splits
+    from .sources import _hub_split_files, check_download_splits
 
     splits = _hub_split_files(folder)
     if "train" not in splits:
@@ -307,7 +310,8 @@ def local_copy_train(folder, config_name=None):
     DeepSpeed-Chat's load_dataset reads by its path), in the folder of ``config_name`` when given (en/), as its
     download in the hub cache is read (``downloaded_train``); it was load_from_disk's traceback, "neither a `Dataset`
     directory nor a `DatasetDict` directory"."""
-    from .local import _is_saved_dataset, hub_download_split
+    from .reading import _is_saved_dataset
+    from .sources import hub_download_split
 
     if _is_saved_dataset(folder):
         return _saved_train_split(folder)
@@ -328,7 +332,7 @@ def check_config_named(where, download, config_name, copy, command):
     folder of the config named: none named, or one it does not hold, is an error naming the configs it holds and the
     flag that names one (the hub cache's was "not in the datasets cache ... download it", the folder here "neither a
     save_to_disk folder nor a download"). ``command``: the one that downloads it, said with the config's folder."""
-    from .local import _hub_split_files, hub_config_folders, names_said
+    from .sources import _hub_split_files, hub_config_folders, names_said
 
     if _hub_split_files(download_folder(download, config_name)):
         return

@@ -124,7 +124,7 @@ def reward_fn_file(spec):
     """[absolute path, sha256 of its content] of the file a ``path/to/file.py:function`` or ``package.module:function``
     spec loads (the module's source file, found as an import would find it), else None (a notebook's function, a
     builtin, a file or module gone): what a run records, so that ``train.py --resume`` notices an edit."""
-    from dschat.data.local import file_digest
+    from dschat.data.digests import file_digest
 
     spec = ALIASES.get(spec, spec) if isinstance(spec, str) else spec
     target = spec.rsplit(":", 1)[0] if isinstance(spec, str) and ":" in spec else ""

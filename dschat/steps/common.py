@@ -1371,7 +1371,7 @@ def check_supervised_settings(args, phase, name=None, quiet=True):
     sft_only = getattr(args, "sft_only_data_path", ()) if phase == 1 else ()
     check_phase_share(args.data_split, phase, other_data=bool(sft_only))
     check_data_paths(args.data_path, sft_only)
-    from dschat.data.local import as_data_fields
+    from dschat.data.fields import as_data_fields
     from dschat.data.pipeline import as_list
 
     # (as_data_fields: a notebook's dict too, which the data pipeline reads; parsed as text it failed here. as_list: a

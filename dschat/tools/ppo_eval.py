@@ -354,7 +354,7 @@ def run_data_defaults(run, names):
     if "data_path" in defaults:
         defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
     if defaults.get("data_fields"):  # (a mapping per dataset names each as its --data_path does)
-        from dschat.data.local import as_data_fields
+        from dschat.data.fields import as_data_fields
 
         fields = as_data_fields(defaults["data_fields"])  # (a notebook's run recorded its dict: as its text here)
         if fields.by_dataset:

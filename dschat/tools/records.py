@@ -45,7 +45,8 @@ def check_local_data_there(spec, flag=None):
     ORG/NAME; a trailing /; a data file's extension) and is not there: "no such file or folder", naming ``flag``.
     Such a mistyped folder had the advice for a hub dataset's name (``no_local_data``), a file "data file not found"
     naming no flag. Typed specs (jsonl:PATH) and names (tiny, local/jsonfile, a hub dataset's) say their own."""
-    from dschat.data.local import LOCAL_JSONFILE, LOCAL_TYPES, _split_paths, missing_data_path, names_a_data_file
+    from dschat.data.fields import LOCAL_TYPES
+    from dschat.data.sources import LOCAL_JSONFILE, _split_paths, missing_data_path, names_a_data_file
     from dschat.models.loading import looks_local
 
     kind, typed, _ = spec.partition(":")
@@ -84,7 +85,7 @@ def local_data_source(spec, flag=None):
     ``no_local_data``, with
     --data_split as without it: ``load_phase_held_out`` said training's "unknown dataset ... Known names ...", naming
     no flag, where ``load_records`` said this."""
-    from dschat.data.local import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec
+    from dschat.data.sources import LOCAL_JSONFILE, local_jsonfile_source, resolve_local_spec
 
     check_local_data_there(spec, flag)
     source = local_jsonfile_source(flag) if spec == LOCAL_JSONFILE else resolve_local_spec(spec, flag)
@@ -144,7 +145,8 @@ def tool_raw_dataset(spec, field_options, seed, flag=None):
     it (``get_raw_dataset``: a local copy under its name, DeepSpeed-Chat's offline ``./Dahoas/rm-static``; else the
     datasets cache or the hub, and offline its download in the hub cache, which the tools did not read: "no local data
     file or folder there"); ``tiny`` as the embedded data; else local data (``local_data_source``)."""
-    from dschat.data.local import LocalDataset, tiny_source
+    from dschat.data.local import LocalDataset
+    from dschat.data.sources import tiny_source
     from dschat.data.raw_datasets import get_raw_dataset
 
     if spec in HUB_DATASETS:
@@ -162,7 +164,7 @@ def eval_part_said(raw):
 def file_field_options(data_fields, path):
     """--data_fields of the one data file ``path`` a tool reads: its own mapping where they give one per dataset (a
     dataset named there that is not this file is a UsageError), else the one mapping."""
-    from dschat.data.local import parse_data_fields
+    from dschat.data.fields import parse_data_fields
 
     fields = parse_data_fields(data_fields)
     fields.check_names([str(path)], "the file read here")

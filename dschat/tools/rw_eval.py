@@ -219,7 +219,7 @@ def step2_run_defaults(args, model_lookup=None):
                          if trained.get(name) not in (None, "")})  # (a seed of 0 too)
         # its field names go with its file (its own, where given per dataset; a hub dataset's reader has fixed ones)
         if trained.get("data_fields") and data[0] not in HUB_DATASETS:
-            from dschat.data.local import DataFields, as_data_fields
+            from dschat.data.fields import DataFields, as_data_fields
 
             spec = as_list(trained["data_path"])[0]  # (as_data_fields: a notebook's run recorded its dict)
             defaults["data_fields"] = DataFields(as_data_fields(trained["data_fields"]).for_spec(spec), {}).as_text()

@@ -901,11 +901,11 @@ def _same_flag_value(name, saved, now):
     its mappings, spaces, another spelling of a dataset's path aside), --data_path and --sft_only_data_path by the
     datasets they read (./x.jsonl is jsonl:x.jsonl), any other as it is."""
     if name == "data_fields":
-        from dschat.data.local import same_data_fields
+        from dschat.data.fields import same_data_fields
 
         return same_data_fields(saved, now)
     if name in DATA_SOURCE_FLAGS:
-        from dschat.data.local import same_datasets
+        from dschat.data.fields import same_datasets
 
         return same_datasets(saved, now)
     return saved == now

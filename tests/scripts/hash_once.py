@@ -1,4 +1,4 @@
-"""Two ranks of a node hash the same data file at once (``dschat.data.local.file_digest``), the hash slowed to take a
+"""Two ranks of a node hash the same data file at once (``dschat.data.digests.file_digest``), the hash slowed to take a
 second, each hash computed written as a line to ``<out>/hashed``; then rank 0 alone hashes another file (no rank may
 wait for the others there). Run by tests/test_data_sources.py through the deepspeed launcher:
 ``hash_once.py <data file> <other data file> <out>``."""
@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dschat.data import local  # noqa: E402
+from dschat.data import digests  # noqa: E402
 from dschat.utils.cli import end_script  # noqa: E402
 from dschat.utils.dist import barrier, ensure_distributed  # noqa: E402
 
 data, other, out = sys.argv[-3:]  # (after the launcher's --local_rank=N)
-local._keeps_change_time = lambda fd: True  # (the test's files as on ext4, whatever /tmp is here)
-local.RACY_WINDOW_NS = 0  # (written just before: as if long before)
+digests._keeps_change_time = lambda fd: True  # (the test's files as on ext4, whatever /tmp is here)
+digests.RACY_WINDOW_NS = 0  # (written just before: as if long before)
 real_file_digest = hashlib.file_digest
 
 
@@ -26,12 +26,12 @@ def slow_recorded_digest(f, *args):
     return real_file_digest(f, *args)
 
 
-local.hashlib.file_digest = slow_recorded_digest
+digests.hashlib.file_digest = slow_recorded_digest
 rank, _ = ensure_distributed()
 barrier()
 with open(os.path.join(out, f"digest{rank}"), "w") as f:
-    f.write(local.file_digest(data))
+    f.write(digests.file_digest(data))
 if rank == 0:
-    local.file_digest(other)
+    digests.file_digest(other)
 barrier()
 end_script()

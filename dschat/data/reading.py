@@ -1,0 +1,1200 @@
+"""Opening and reading local data files: decompression, the JSON and JSON Lines checks (and their kept passes),
+CSV, Arrow loading with JSON's key orders as written, save_to_disk folders, and a split's files read as one.
+"""
+import bz2
+import contextlib
+import functools
+import gzip
+import hashlib
+import json
+import lzma
+import os
+import re
+import shlex
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dschat.errors import MissingInputError, UsageError
+from dschat.utils.files import atomic_file
+from .digests import (HEAD_BYTES, HashedFile, _datasets_cache_folder, _memo_bucket_lock, _prune_now_and_then,
+                      _stat_stamp, file_digest, file_digest_and_stamp, shared_digest)
+from .errors import DatasetFormatError
+from .fields import EVAL_SPLIT_NAMES, EXTENSION_TYPES, SPEAKER_KEYS, _are_messages, files_where
+from .formatting import with_lf_line_ends
+
+
+def _is_saved_dataset(path):
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("dataset_dict.json", "state.json"))
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How a file compressed with one tool is told and undone: by its name's ``extension`` or its first bytes
+    (``magic``, a regular expression); ``decompress``, the shell command that writes the plain file beside it
+    (``decompress_command``); ``module``, what undoes it as the file is read (``open_data_file``), for the compressions
+    of JSON that datasets' json loader undoes too (``PACKED_JSON``), else None."""
+    extension: str
+    magic: bytes
+    decompress: str
+    module: object = None
+
+
+# by tool: hub datasets ship some data so (Anthropic/hh-rlhf's harmless-base/train.jsonl.gz, allenai/c4's shards);
+# zstd needs a package datasets does not install, and a zip is an archive of files
+COMPRESSIONS = {"gzip": Compression(".gz", rb"\x1f\x8b", "gunzip -k", gzip),
+                "bzip2": Compression(".bz2", rb"BZh[1-9]1AY&SY", "bunzip2 -k", bz2),
+                "xz": Compression(".xz", rb"\xfd7zXZ\x00", "unxz -k", lzma),
+                "zstd": Compression(".zst", rb"\x28\xb5\x2f\xfd", "unzstd"),
+                "zip": Compression(".zip", rb"PK\x03\x04", "unzip")}
+COMPRESSED_EXTENSIONS = {compression.extension: tool for tool, compression in COMPRESSIONS.items()}
+# the extension that names each compression of JSON dschat reads decompressed: gzip's .gz
+PACKED_JSON_EXTENSIONS = {tool: compression.extension for tool, compression in COMPRESSIONS.items()
+                          if compression.module}
+
+
+# the modules that undo them, by the file's extension (``open_data_file``)
+DECOMPRESSORS = {compression.extension: compression.module for compression in COMPRESSIONS.values()
+                 if compression.module}
+PACKED_JSON = tuple(DECOMPRESSORS)  # (their extensions: a JSON file named so, x.jsonl.gz, is read decompressed)
+
+
+def data_file_extensions(path):
+    """(the extension of the file's data type, that of its compression or ""): train.jsonl.gz: (".jsonl", ".gz")."""
+    stem, last = os.path.splitext(path)
+    return (os.path.splitext(stem)[1], last) if last.lower() in PACKED_JSON else (last, "")
+
+
+# --- reading files (datasets does the parsing; JSON is pre-checked for line-numbered errors) ---
+
+# what the modules that undo the compressions of ``PACKED_JSON`` (``DECOMPRESSORS``) raise for data that is not what
+# its name says or is cut short (bz2's OSError, "Invalid data stream"; gzip's BadGzipFile is one too: an OSError
+# without an errno, unlike a read the file system failed)
+DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+@contextlib.contextmanager
+def open_data_file(path, encoding=None):
+    """The file at ``path`` open to read, as text of ``encoding`` where one is given, else as bytes; decompressed as
+    it is read where its name says it is compressed (``PACKED_JSON``: a hub download's train.jsonl.gz), so a JSON
+    file's checks read, a line at a time, what datasets' json loader reads. A compressed file whose data does not
+    decompress (cut short, or not what its name says) is an error naming it; one of no bytes is read as the empty
+    file it is (it holds no compressed stream: bzip2's and xz's readers said "ended before the end-of-stream"). A read
+    the file system fails (an OSError with an errno: EACCES, EIO) stays that error, naming the file: it was said to be
+    a file cut short, to download again."""
+    packed = data_file_extensions(path)[1].lower()
+    mode = "rt" if encoding else "rb"
+    if not packed or os.path.getsize(path) == 0:
+        with open(path, mode, encoding=encoding) as f:
+            yield f
+        return
+    try:
+        with DECOMPRESSORS[packed].open(path, mode, encoding=encoding) as f:
+            yield f
+    except UsageError:
+        raise  # (the reader's own errors: MissingInputError is an OSError too)
+    except DECOMPRESSION_ERRORS as err:
+        if isinstance(err, OSError) and err.errno is not None:  # (EACCES, EIO: the file system's, not the data's)
+            if err.filename is None:  # (a failed read names no file)
+                raise OSError(err.errno, err.strerror, path) from err
+            raise
+        raise undecompressable_error(path, packed, err) from err
+
+
+def undecompressable_error(path, packed, err):
+    """The error for the file at ``path``, named compressed (``packed``: its extension, ``PACKED_JSON``), whose data
+    did not decompress (``err``): a stream cut short (EOFError: a download stopped); data not of that compression, by
+    its first bytes (``compressed_with``): ``misnamed_compressed_error`` (it was "a file cut short?", which it is not);
+    else a stream damaged inside."""
+    tool = COMPRESSED_EXTENSIONS[packed]
+    if isinstance(err, EOFError):
+        return DatasetFormatError(f"{path}: not readable as {tool} data, as its name says it is ({err}): a file cut "
+                                  "short? download or compress it again")
+    held = compressed_with(path)
+    if held == tool:
+        return DatasetFormatError(f"{path}: not readable as {tool} data, as its name says it is ({err}): its data is "
+                                  "damaged; download or compress it again")
+    return misnamed_compressed_error(path, tool, held, read_decompressed=True)
+
+
+def misnamed_compressed_error(path, named, held, where=None, read_decompressed=False):
+    """The error for a file whose name says it is compressed with ``named`` (x.csv.gz, x.jsonl.gz), told by what its
+    bytes hold (``held``: ``compressed_with``), not by its name: x.csv.gz holding xz, or the plain CSV, was told
+    "compressed with gzip ... (gunzip -k x.csv.gz)", which gunzip refuses ("not in gzip format"). Data of no
+    compression is told the name to give it; of a compression the file would be read decompressed in, named so
+    (``read_decompressed``: a file ``open_data_file`` reads; PACKED_JSON_EXTENSIONS), that name; of another, that
+    one's command (``compressed_error``). ``where``: how the error names ``path``."""
+    misnamed = f"{where or path}: not {named} data, though its name says it is"
+    if held is None:
+        return DatasetFormatError(f"{misnamed}: where it is the uncompressed file, name it so "
+                                  f"({plain_file_command(path, held)})")
+    if read_decompressed and held in PACKED_JSON_EXTENSIONS:
+        renamed = named_compressed_with(path, PACKED_JSON_EXTENSIONS[held])
+        return DatasetFormatError(f"{misnamed}: it is compressed with {held}; name it so "
+                                  f"({rename_command(path, renamed)})")
+    return compressed_error(path, held, where)
+
+
+def held_compression(path, named):
+    """The compression the file at ``path``, named compressed with ``named`` (x.csv.gz), holds by its first bytes
+    (``compressed_with``), None for none; where it cannot be read, ``named`` (the load would fail on its own)."""
+    try:
+        return compressed_with(path)
+    except OSError:
+        return named
+
+
+def plain_file_command(path, held):
+    """The shell command that writes the plain file of ``path``, a file named compressed (x.csv.gz) that holds
+    ``held`` (``held_compression``): that compression's command (``decompress_command``), or for none the rename to
+    the name without the compression's extension (x.csv)."""
+    if held is None:
+        return rename_command(path, os.path.splitext(path)[0])
+    return decompress_command(path, held)
+
+
+def text_encoding(path, head=None):
+    """"utf-8-sig" for a file whose text starts with a UTF-8 byte-order mark (Windows editors write one), else
+    "utf-8": the mark is not part of the first record. (A compressed file's text: ``open_data_file``.) ``head``: the
+    file's first bytes where read already (``HashedFile.head``): a file not named compressed, its text's."""
+    if head is None or data_file_extensions(path)[1]:
+        with open_data_file(path) as f:
+            head = f.read(3)
+    return "utf-8-sig" if head.startswith(b"\xef\xbb\xbf") else "utf-8"
+
+
+def holds_no_bytes(path):
+    """Whether the file at ``path`` is empty: of a compressed file, its text (``open_data_file``)."""
+    with open_data_file(path) as f:
+        return not f.read(1)
+
+
+def _json_reason(err):
+    """json's message and column: "Unterminated string starting at column 7" (its message may end in "at")."""
+    return f"{err.msg.removesuffix(' at')} at column {err.colno}"
+
+
+class _KeysWrittenTwice:
+    """json's ``object_pairs_hook`` that notes each object that writes a key twice (json keeps its last value, and the
+    first was lost without a word; pyarrow refused a JSON Lines file's with an unrelated error)."""
+
+    def __init__(self):
+        self.twice = {}  # id of such an object -> the key
+        self.objects = 0  # parsed so far: a record parsed with no other object inside it has no key order to gather
+
+    def hook(self, pairs):
+        self.objects += 1
+        obj = dict(pairs)
+        if len(obj) < len(pairs):
+            seen = set()
+            self.twice[id(obj)] = next(key for key, _ in pairs if key in seen or seen.add(key))
+        return obj
+
+    def key_in(self, value):
+        """The key written twice in ``value`` or an object inside it, else None."""
+        return _first_inside(value, lambda item: self.twice.get(id(item)) if isinstance(item, dict) else None)
+
+    def check(self, record, where):
+        key = self.key_in(record) if self.twice else None
+        if key is not None:
+            raise DatasetFormatError(f"{where}: an object writes the key {key!r} twice (JSON keeps only its last "
+                                     "value); write each key once")
+
+
+class NotJsonNumber(str):
+    """NaN, Infinity or -Infinity as json's ``parse_constant`` reads them (Python's json.dumps writes a float NaN so):
+    no JSON value, reported by ``check_json_numbers`` with the field that holds it."""
+
+
+def check_json_numbers(record, where):
+    """A record holding NaN or Infinity is an error naming its field: JSON Lines read it as a float ("expected a
+    string, got float"), a JSON array as null ("missing or null"), and an extra column kept either."""
+    for field, value in record.items():
+        constant = _not_json_number_in(value)
+        if constant is not None:
+            raise DatasetFormatError(f"{where}: field {field!r}: {constant} is not a JSON value (Python's json.dumps "
+                                     "writes a float NaN or infinity so); write null for a missing value, or text")
+
+
+class _NotJsonNumbers:
+    """json's ``parse_constant`` noting that NaN or Infinity was read: only then are the records walked for the field
+    that holds it (walking every value of every record took longer than parsing them)."""
+
+    def __init__(self):
+        self.seen = False
+
+    def parse(self, text):
+        self.seen = True
+        return NotJsonNumber(text)
+
+    def check(self, record, where):
+        if self.seen:
+            check_json_numbers(record, where)
+
+
+def _not_json_number_in(value):
+    return _first_inside(value, lambda item: item if isinstance(item, NotJsonNumber) else None)
+
+
+def _first_inside(value, find):
+    """The first of ``find(item)`` that is not None, over a JSON value and every value inside it (depth first)."""
+    found = find(value)
+    if found is not None:
+        return found
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for found in (_first_inside(child, find) for child in children) if found is not None), None)
+
+
+def check_jsonl_lines(path, key_orders=None, encoding=None):
+    """Line numbers (1-based) of the records in a JSONL file; DatasetFormatError at the first bad line. Where given,
+    ``key_orders`` (a ``_KeyOrders``) gathers the order of its objects' keys in the same parse; ``encoding``, its
+    ``text_encoding`` where found already.
+
+    datasets/pyarrow report a malformed line without its number, so the file is checked here first.
+    """
+    record_lines, keys, constants = [], _KeysWrittenTwice(), _NotJsonNumbers()
+    try:
+        for line_number, line in record_text_lines(path, encoding):
+            # a JSON array given as JSON Lines fails on its first line: said how to give it
+            array = " (the file is one JSON array: give it as json:PATH)" if not record_lines and \
+                line.lstrip().startswith("[") else ""
+            objects = keys.objects
+            try:  # (a record cut short is at its line's end, not the next)
+                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=keys.hook, parse_constant=constants.parse)
+            except json.JSONDecodeError as err:
+                raise DatasetFormatError(f"{path} line {line_number}: invalid JSON ({_json_reason(err)}){array}") \
+                    from None
+            if not isinstance(record, dict):
+                raise DatasetFormatError(f"{path} line {line_number}: expected a JSON object, got "
+                                         f"{type(record).__name__}{array}")
+            keys.check(record, f"{path} line {line_number}")
+            constants.check(record, f"{path} line {line_number} (record {len(record_lines)})")
+            if key_orders is not None and keys.objects > objects + 1:  # (a flat record's: none to gather)
+                key_orders.add(record)
+            record_lines.append(line_number)
+    except UnicodeDecodeError:
+        raise not_utf8_error(path) from None
+    return compact_lines(record_lines)
+
+
+def record_text_lines(path, encoding=None):
+    """(line number, line) of each line of a JSON Lines file's text that is not blank, numbered (from 1) as its check
+    and its errors number them (a compressed file's text: ``open_data_file``; ``encoding``: ``text_encoding``'s where
+    found already)."""
+    with open_data_file(path, encoding or text_encoding(path)) as f:
+        for line_number, line in enumerate(f, start=1):
+            if line.strip():
+                yield line_number, line
+
+
+def compact_lines(lines):
+    """Record line numbers (ascending) as a range where they run without a gap (a file of no blank lines: most), else
+    the list: a list holds ~36 bytes a record for the whole run (allenai/c4's en, 365M records, ~13 GB while its
+    shards were read). Either is indexed, measured and tested for emptiness alike."""
+    if lines and lines[-1] - lines[0] + 1 == len(lines):
+        return range(lines[0], lines[-1] + 1)
+    return lines
+
+
+def caused_by(error, kind):
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def not_utf8_error(path):
+    """A DatasetFormatError naming the first line of ``path`` that is not UTF-8 text (JSON files must be; a compressed
+    file's text: ``open_data_file``)."""
+    with open_data_file(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return DatasetFormatError(f"{path} line {line_number}: not UTF-8 text (byte 0x{line[err.start]:02x} at "
+                                          f"column {err.start + 1}); save the file as UTF-8")
+    return DatasetFormatError(f"{path}: not UTF-8 text; save the file as UTF-8")
+
+
+def check_json_document(path, key_orders=None, encoding=None):
+    """A .json file must be one JSON array of objects (None returned) or JSON Lines (its record lines returned, as
+    ``check_jsonl_lines``); DatasetFormatError with the line of a syntax error. Where given, ``key_orders`` (a
+    ``_KeyOrders``) gathers the order of its objects' keys in the same parse; ``encoding``, its ``text_encoding``
+    where found already."""
+    encoding = encoding or text_encoding(path)
+    try:
+        if _starts_as_json_lines(path, encoding):
+            return check_jsonl_lines(path, key_orders, encoding)
+        with open_data_file(path, encoding) as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise not_utf8_error(path) from None
+    if not text.strip():
+        raise DatasetFormatError(f"{path}: no records ({_why_no_records('json', path)})")
+    keys, constants = _KeysWrittenTwice(), _NotJsonNumbers()
+    try:
+        document = json.loads(text, object_pairs_hook=keys.hook, parse_constant=constants.parse)
+    except json.JSONDecodeError as err:
+        if _is_json_lines(text):
+            return check_jsonl_lines(path, key_orders, encoding)
+        raise DatasetFormatError(f"{path} line {err.lineno}: invalid JSON ({_json_reason(err)})") from None
+    keys_of_records = _records_keys(document)
+    key = keys_of_records[0] if keys_of_records else None
+    if key is not None and len(document) == 1:  # (a one-key object is never a record)
+        raise DatasetFormatError(f"{path}: the records are in the list under {key!r} of a JSON object; give a file "
+                                 "that is that list (a JSON array of records) or JSON Lines")
+    if len(keys_of_records) > 1 and len(keys_of_records) == len(document):  # nor one of record lists alone: splits
+        # ({"train": [...], "test": [...]}; written on one line it was read as one JSON Lines record, to be named
+        # with --data_fields)
+        raise DatasetFormatError(f"{path}: the records are in the lists under {', '.join(map(repr, keys_of_records))}"
+                                 " of a JSON object; give a file for each list (a JSON array of records, or JSON "
+                                 "Lines): a train and an eval file as TYPE:TRAIN_PATH,EVAL_PATH")
+    if key is not None and "\n" in text.strip():  # (or one record with a list of objects: a tool list, say)
+        raise DatasetFormatError(f"{path}: expected a JSON array of records, got a JSON object: if the records are "
+                                 f"the list under {key!r}, give a file that is that list (or JSON Lines); one record? "
+                                 "put it in a JSON array, [...]")
+    if isinstance(document, dict) and "\n" not in text.strip():  # JSON Lines of one record, as datasets reads it
+        return check_jsonl_lines(path, key_orders, encoding)
+    if not isinstance(document, list):
+        one = " (one record? put it in a JSON array, [...])" if isinstance(document, dict) else ""
+        raise DatasetFormatError(f"{path}: expected a JSON array of records, got a {type(document).__name__}{one}")
+    if not document:
+        raise DatasetFormatError(f"{path}: no records (the JSON array is empty)")
+    for index, record in enumerate(document):
+        if not isinstance(record, dict):
+            raise DatasetFormatError(f"{path} record {index}: expected a JSON object, got {type(record).__name__}")
+        keys.check(record, f"{path} record {index}")
+        constants.check(record, f"{path} record {index}")
+    if key_orders is not None and keys.objects > len(document):  # (flat records, the array's objects alone: none)
+        for record in document:
+            key_orders.add(record)
+    return None
+
+
+def _starts_as_json_lines(path, encoding=None):
+    """Whether a .json file is JSON Lines by its start: a first line that is a whole JSON object, with more text on the
+    lines after it, is no one JSON document, and ``check_json_document`` checks it as JSON Lines, as it did once it
+    had read the whole text (allenai/c4's shards, ~800 MB decompressed) and failed to parse it. Only the first line,
+    and the blank ones before and after it, are read (a file that starts otherwise, its first character alone).
+    ``encoding``: ``text_encoding``'s where found already."""
+    with open_data_file(path, encoding or text_encoding(path)) as f:
+        start = f.read(1)
+        while start.isspace():
+            start = f.read(1)
+        if start != "{":
+            return False
+        try:
+            first = json.loads(start + f.readline())
+        except json.JSONDecodeError:
+            return False
+        return isinstance(first, dict) and any(line.strip() for line in f)
+
+
+def _records_keys(document):
+    """The keys of a JSON object whose values are lists of records ({"data": [...]}, as load_dataset's field= reads
+    it), else []; a list of messages ({"messages": [{"role": ...}]}, a record's own) holds no records."""
+    if not isinstance(document, dict) or any(_are_messages(value) for value in document.values()):
+        return []  # (an object with a message list of its own is a record)
+    return [key for key, value in document.items() if isinstance(value, list) and value and
+            all(isinstance(item, dict) for item in value) and
+            not any(speaker in item for item in value for speaker in SPEAKER_KEYS)]
+
+
+def _is_json_lines(text):
+    """A .json file that is really JSON Lines (common) is accepted and checked line by line."""
+    first = text.lstrip()[:1]
+    return first == "{" and "\n" in text.strip()
+
+
+def compressed_error(path, tool, where=None, kind=None):
+    """The error for a data file compressed with ``tool`` that dschat does not read so: a JSON or JSON Lines file
+    (``kind``) compressed with gzip, bzip2 or xz is, where its name says so (x.jsonl.gz): the name to give it (``gunzip
+    -k x.jsonl`` would refuse it for its name); another is to be decompressed. ``where``: how the error names ``path``
+    (``data_spec_where``: with the flag that gave it), else by itself."""
+    extension = PACKED_JSON_EXTENSIONS.get(tool)
+    if extension and kind in ("json", "jsonl"):
+        return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which its name does not say: "
+                                  f"name it so ({rename_command(path, named_compressed_with(path, extension))}), "
+                                  "and it is read decompressed")
+    return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read here "
+                              "(it reads JSON and JSON Lines compressed with gzip, bzip2 or xz, named so: x.jsonl.gz): "
+                              f"decompress it ({decompress_command(path, tool)}) and give the file that writes")
+
+
+def decompress_command(path, tool):
+    """The shell command that decompresses the file at ``path``, compressed with ``tool``, beside it. gunzip, unxz and
+    unzstd refuse a file not named with their extension (x.csv holding gzip: `gunzip -k x.csv`, "unknown suffix --
+    ignored"), and bunzip2 writes x.csv.out: such a file is named so first, and the plain file is written under its
+    name. A name ending in another compression's extension (x.jsonl.gz holding zstd), or in the tool's own in capitals
+    (unxz refuses .XZ), has it replaced, not added to: the plain file written is x.jsonl, not x.jsonl.gz (misnamed
+    again). (unzip reads an archive of any name; it writes into the current folder, not the archive's, unless told:
+    a folder's train.csv.zip was extracted where the command ran, and the folder given again was refused again.)
+    Paths are quoted where the shell needs it (``rename_command``)."""
+    extension, command = COMPRESSIONS[tool].extension, COMPRESSIONS[tool].decompress
+    if tool == "zip":
+        return f"{command} -d {shlex.quote(os.path.dirname(path) or '.')} {shlex.quote(path)}"
+    if path.endswith(extension):
+        return f"{command} {shlex.quote(path)}"
+    packed = named_compressed_with(path, extension)
+    return f"{rename_command(path, packed)} && {command} {shlex.quote(packed)}"
+
+
+def rename_command(path, new):
+    """The shell command that renames the file at ``path`` to ``new``: each path quoted where the shell would split or
+    read it (``shlex.quote``: a space, a quote), so that the command can be pasted; an ordinary path is written as it
+    is."""
+    return f"mv {shlex.quote(path)} {shlex.quote(new)}"
+
+
+def named_compressed_with(path, extension):
+    """``path`` named with the compression ``extension``: a trailing compression extension of another (or in
+    capitals) replaced, not added to (x.jsonl.zst holding gzip: x.jsonl.gz, not x.jsonl.zst.gz, whose .zst then
+    hides its type)."""
+    stem, last = os.path.splitext(path)
+    return (stem if last.lower() in COMPRESSED_EXTENSIONS else path) + extension
+
+
+def check_folder_not_compressed(folder, where=None):
+    """A folder whose train data is compressed (Anthropic/hh-rlhf's helpful-base/train.jsonl.gz and test.jsonl.gz) is
+    an error saying so, with the commands that write its split files plain, each told by the file's bytes
+    (``plain_file_command``): it was "cannot tell what the folder holds" and, given TYPE:FOLDER, "the folder has no
+    train.jsonl", neither of which is the fix. ``where``: how the error names the folder (``data_spec_where``: with the
+    flag that gave it), else by itself."""
+    names = [f"{split}{ext}{packed}" for split in ("train", *EVAL_SPLIT_NAMES) for ext in EXTENSION_TYPES
+             for packed in COMPRESSED_EXTENSIONS]
+    paths = [os.path.join(folder, name) for name in names if os.path.isfile(os.path.join(folder, name))]
+    train = next((path for path in paths if os.path.basename(path).startswith("train.")), None)
+    if train is None:
+        return
+    # each told by its bytes, not its name: train.csv.gz of xz, or plain text, was told `gunzip -k`, which refuses it
+    held = {path: held_compression(path, COMPRESSED_EXTENSIONS[os.path.splitext(path)[1]]) for path in paths}
+    commands = " && ".join(plain_file_command(path, held[path]) for path in paths)
+    named = COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]
+    if held[train] is None:
+        raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is not {named} data, "
+                                 f"though its name says it is: write its plain files ({commands}) and give the folder "
+                                 "again")
+    raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is compressed with "
+                             f"{held[train]}, which dschat does not read: decompress its files ({commands}) and give "
+                             "the folder again")
+
+
+def compressed_with(path, head=None):
+    """The tool that compressed the file at ``path`` (``COMPRESSIONS``: told by its first HEAD_BYTES, ``head`` where
+    read already: ``HashedFile.head``), else None."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    return next((tool for tool, compression in COMPRESSIONS.items() if re.match(compression.magic, head)), None)
+
+
+def check_compression_read(kind, path, where=None, head=None):
+    """A data file of ``kind`` compressed otherwise than as JSON named so (``PACKED_JSON``: train.jsonl.gz, read
+    decompressed, ``open_data_file``) is an error saying so (``compressed_error``): read as text it was 'not UTF-8
+    text ... save the file as UTF-8'. ``where``: how the error names ``path``; ``head``: its first bytes where read
+    already (``compressed_with``)."""
+    if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
+        return
+    tool = compressed_with(path, head)
+    if tool:
+        raise compressed_error(path, tool, where, kind)
+
+
+# A JSON or JSON Lines file's check that passed (``checked_json``) is kept by the file's content (its sha256), in
+# datasets' cache beside the kept hashes: the check reads ~50 MB of text a second, and read it again every run where
+# datasets' load is its Arrow cache's (allenai/c4's en, ~800 GB of text: ~5 h of CPU a process). JSON_CHECK_VERSION:
+# bumped when what the checks accept, or what they give (``_check_as_kept``), changes, so an older pass is not taken.
+# (By hand, not by the code's digest as a split's records' pass: every edit of dschat.data would check c4 again.)
+JSON_CHECK_MEMO_FOLDER, JSON_CHECK_VERSION = "dschat_json_checked", 1
+
+
+def checked_json(kind, path, key_orders, hashed):
+    """(record lines, HashedFile): ``check_jsonl_lines`` (``kind`` "jsonl") or ``check_json_document`` ("json") of the
+    file at ``path``, its objects' key orders gathered into ``key_orders``; or, where that check passed for the same
+    content before (of this process or an earlier one), what it gave then, the file not read (its record lines read
+    again only for an error that names one: ``RecordLinesOnDemand``). A pass is kept only where later processes find
+    the file's hash without reading it (``shared_digest``: a hub blob, or a hash kept under the file's stamp), and that
+    hash is still the one the check was looked up by: a file written while it was checked keeps nothing, and is hashed
+    again (the HashedFile given back): ``load_file`` keys its load's Arrow cache by it, which, keyed by the hash found
+    before the check, cached the new content under the old content's name. ``hashed``: the file's
+    (``file_digest_and_stamp``: ``load_file``'s load's cache key too, found once). Processes checking a file that keeps
+    its pass at once (a node's ranks on a first run) take turns (``_memo_bucket_lock``): the first checks it, the
+    others read what it kept (or, where it failed, check it themselves: a bad file keeps nothing)."""
+    digest = hashed.sha256
+    memo = _json_check_memo_path(kind, path, digest)
+    kept = _kept_json_check(memo)
+    if kept is None:
+        # (no turns where nothing will be kept: each process checks as before, not one after another)
+        with _memo_bucket_lock(memo) if shared_digest(path).sha256 == digest else contextlib.nullcontext():
+            kept = _kept_json_check(memo)  # (kept by another process while this one waited)
+            if kept is None:
+                check = check_jsonl_lines if kind == "jsonl" else check_json_document
+                record_lines = check(path, key_orders, text_encoding(path, hashed.head))
+                shared = shared_digest(path)  # (its stamp now: the kept pass's, no stat)
+                if shared.stamp != hashed.stamp:  # (written since it was hashed: the hash is of other content)
+                    return record_lines, file_digest_and_stamp(path)
+                if shared.sha256 == digest:
+                    _keep_passed_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
+                return record_lines, hashed
+    key_orders.add_kept(kept["key_orders"])
+    return _record_lines_kept(kept["lines"], path), hashed
+
+
+def _json_check_memo_path(kind, path, digest):
+    """Where a passed check of a file of ``kind``, compressed as its name says (read decompressed:
+    ``open_data_file``), of the content ``digest``, is kept."""
+    name = hashlib.sha256(json.dumps([JSON_CHECK_VERSION, kind, data_file_extensions(path)[1].lower(),
+                                      digest]).encode()).hexdigest()
+    return os.path.join(_datasets_cache_folder(JSON_CHECK_MEMO_FOLDER), name[:2], name)
+
+
+def _check_as_kept(record_lines, key_orders):
+    """What a passed check gave, as JSON: its record lines as [first, count] where they run without a gap (a range:
+    ``compact_lines``), as {"count": N} where not (read again where asked for: ``RecordLinesOnDemand``), None for a
+    JSON array (records have no lines); and the key orders gathered."""
+    lines = None if record_lines is None else [record_lines.start, len(record_lines)] \
+        if isinstance(record_lines, range) else {"count": len(record_lines)}
+    return {"lines": lines, "key_orders": key_orders.as_json()}
+
+
+def _record_lines_kept(lines, path):
+    """The record lines of ``_check_as_kept``'s ``lines`` for the file at ``path``."""
+    if lines is None:
+        return None
+    if isinstance(lines, dict):
+        return RecordLinesOnDemand(path, lines["count"])
+    first, count = lines
+    return range(first, first + count)
+
+
+def _kept_json_check(memo):
+    """The passed check kept at ``memo`` (``_check_as_kept``'s dict), else None (none kept, or not readable)."""
+    try:
+        with open(memo, encoding="utf-8") as f:
+            kept = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) and {"lines", "key_orders"} <= kept.keys() else None
+
+
+def _keep_passed_check(memo, path, stamp, kept):
+    """Write a passed check (a JSON file's; a split's records', ``path`` its first file) at ``memo`` whole
+    (``atomic_file``), the file's path and ``stamp`` (None: the file's now) on its second line, as a kept hash's, for
+    pruning to remove it once the file is gone or written (``prune_kept_digests``; a copy of the content elsewhere then
+    checks it again). A cache folder not writable keeps nothing."""
+    with contextlib.suppress(OSError):
+        entry = json.dumps([os.path.abspath(path), *(stamp or _stat_stamp(os.stat(path)))])
+        with atomic_file(memo) as f:
+            f.write(f"{json.dumps(kept)}\n{entry}")  # (ASCII: as pruning reads it)
+    _prune_now_and_then(os.path.dirname(os.path.dirname(memo)))  # (its memo folder: the JSON checks' or records')
+
+
+# A split's records that passed ``LocalDataset._validate`` (every record read through the accessors: ~7 s for 100 MB
+# of JSON Lines on 2 CPU cores, more where a mixed-type column is decoded from JSON text each record) are kept as
+# passed by the content of the split's files, the reader's settings and the code of dschat.data
+# (``_records_check_memo``): a later run of the same data reads none of them again.
+RECORDS_CHECK_MEMO_FOLDER = "dschat_records_checked"
+
+
+def _records_check_memo(kind, digests, settings):
+    """Where the pass of ``LocalDataset._validate`` over the records of files of ``kind`` loaded by the sha256s
+    ``digests`` (``_split_digests``), read by a reader of ``settings`` (JSON), is kept; None for a save_to_disk folder
+    (not a file hashed) or no files."""
+    if kind == "disk" or not digests:
+        return None
+    import datasets
+    import pyarrow
+
+    key = json.dumps([_data_code_digest(), datasets.__version__, pyarrow.__version__, kind, digests, settings],
+                     sort_keys=True, default=repr)
+    name = hashlib.sha256(key.encode()).hexdigest()
+    return os.path.join(_datasets_cache_folder(RECORDS_CHECK_MEMO_FOLDER), name[:2], name)
+
+
+def _split_digests(kind, paths):
+    """The sha256s of a split's files ``paths`` of ``kind`` (``file_digest``), taken before it is loaded: what its
+    records' pass is kept by (``_records_check_memo``). Taken after, they were those of a write during the load (an
+    eval file's during the train split's walk), and the records loaded before it kept their pass under the written
+    content's hash. None for a save_to_disk folder (not a file hashed)."""
+    return None if kind == "disk" else [file_digest(path) for path in paths]
+
+
+def _hashes_shared(paths, digests):
+    """Whether later processes find the hashes of the files ``paths`` without reading them (``shared_digest``), and
+    they are still ``digests``, those the files were loaded by: else what is kept by them would not be found, or would
+    be of other content (a file written since, as ``checked_json``'s)."""
+    return all(shared_digest(path).sha256 == digest for path, digest in zip(paths, digests, strict=True))
+
+
+@functools.cache
+def _data_code_digest():
+    """The sha256 of dschat.data's modules' source: what a record passes is decided all over them and changes with
+    them, and a version bumped by hand would be forgotten, a record the new code refuses let through."""
+    folder, digest = os.path.dirname(os.path.abspath(__file__)), hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+class RecordLinesOnDemand(Sequence):
+    """The record line numbers of a JSON Lines file whose records are not on lines without a gap, its check kept
+    (``checked_json``): their count is known, and the numbers are read from the file (``record_text_lines``) only when
+    one is asked for (an error naming a record's line)."""
+
+    def __init__(self, path, count):
+        self.path, self.count, self._lines = path, count, None
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        if self._lines is None:
+            self._lines = [line_number for line_number, _ in record_text_lines(self.path)]
+        return self._lines[index]
+
+
+def load_file(kind, path):
+    """(datasets.Dataset, record line numbers or None) for one local file or save_to_disk folder; a JSON file named
+    compressed (x.jsonl.gz, a hub download's SUBSET/train.jsonl.gz), checked as it is decompressed, a line at a time
+    (``open_data_file``), as a plain one is, then read by datasets' json loader, which decompresses it too. A JSON
+    file's check that passed for its content before is not made again (``checked_json``)."""
+    record_lines = header = None
+    # (a JSON file's check's key and its load's: found once, again only where the file was written while it was
+    # checked; its first bytes read in the same open)
+    hashed = file_digest_and_stamp(path) if kind in ("json", "jsonl") else HashedFile(None, None)
+    check_compression_read(kind, path, head=hashed.head)
+    key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
+    if kind in ("json", "jsonl"):
+        record_lines, hashed = checked_json(kind, path, key_orders, hashed)
+    elif kind == "csv":
+        header, record_lines = csv_record_lines(path)
+    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
+    # (datasets would fail with its own wording; a CSV's rows are counted where the csv module could not read it)
+    if (record_lines is not None and not record_lines) or (record_lines is None and _table_rows(kind, path) == 0):
+        raise DatasetFormatError(f"{path}: no records ({_why_no_records(kind, path)})")
+    try:
+        options = _csv_options(path, header) if kind == "csv" else \
+            {"encoding": text_encoding(path, hashed.head)} if builder == "json" else {}
+        data = load_content_keyed(builder, path, hashed.sha256, **options)
+    except Exception as err:  # pyarrow/datasets errors do not name the file; wrap them so they do
+        if kind == "csv" and caused_by(err, UnicodeDecodeError):
+            raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
+        raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
+    if builder == "json":
+        data = _as_written(kind, path, data, key_orders)
+    if kind == "csv":
+        data = _with_lf_line_ends(data)
+    if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
+        record_lines = None
+    return data, record_lines
+
+
+def _why_no_records(kind, path):
+    """Why a file holds no records: it is empty (no bytes), has only blank lines (spaces, tabs and line ends: it was
+    said to be empty, and a CSV to have a header), or is a CSV of a header or a parquet file without rows."""
+    if holds_no_bytes(path):
+        return "the file is empty"
+    if kind != "parquet" and only_blank_lines(path):
+        return "it has only blank lines"
+    return {"csv": "it has a header but no rows", "parquet": "it has no rows"}.get(kind, "the file is empty")
+
+
+def only_blank_lines(path):
+    """Whether a text file holds only whitespace after its byte-order mark (read a block at a time; a compressed
+    file's text: ``open_data_file``)."""
+    with open_data_file(path) as f:
+        if f.read(1 << 16).removeprefix(b"\xef\xbb\xbf").strip():
+            return False
+        return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
+
+
+def load_content_keyed(builder, path, digest=None, **options):
+    """``load_dataset(builder)``'s train split of the file at ``path``, its Arrow cache keyed by the file's content
+    (``digest``, where the caller has it: ``file_digest``).
+
+    datasets keys the Arrow cache of a local file by its path and modification time only: a file edited with its
+    time kept (``touch -r``, ``cp -p``, a rewrite within the file system's time resolution) was read back as its
+    old records, under a tokenized-data cache key made from the new content. The content hash as the config name
+    gives each content a cache of its own."""
+    from datasets import load_dataset
+
+    digest = digest or file_digest(path)
+    return load_dataset(builder, name=f"content-{digest[:16]}", data_files={"train": path}, split="train", **options)
+
+
+# A CSV written with ", " between its cells (by hand): a quoted cell after the space was read as text up to its next
+# comma, quotes and all, so 'Q, "Yes, sure"' was the chosen answer '"Yes' and the rejected one 'sure"' (or a line of
+# too many fields)
+CSV_SPACING = {"skipinitialspace": True}
+
+
+def check_csv_header(path, header):
+    """A CSV header (``header``: its cells) that names a column twice is an error: pandas reads the second as
+    "NAME.1", an extra column, and that column's text would silently go unread."""
+    check_separated_by_commas(path, header)
+    seen = {}
+    for number, name in enumerate(map(_column_name, header), 1):
+        if name in seen:
+            raise DatasetFormatError(f"{path}: the header names column {name!r} twice (columns {seen[name]} and "
+                                     f"{number}); give each column its own name")
+        seen[name] = number
+
+
+def check_separated_by_commas(path, header):
+    """A header that is one column holding ";" or a tab is an error: a file separated by them (Excel's CSV where the
+    decimal mark is a comma) read as one column, and the error said to name the fields with --data_fields."""
+    separator = next((mark for mark in (";", "\t") if len(header) == 1 and mark in header[0]), None)
+    if separator is not None:
+        raise DatasetFormatError(f"{path}: the header is one column, {header[0]!r}: the file is separated by "
+                                 f"{separator!r}, not commas; save it as comma-separated CSV")
+
+
+def csv_record_lines(path):
+    """(the header's cells, the lines (1-based) where its records start) of a CSV file, read once, as pandas reads
+    them: after the header, a quoted cell may span lines, blank lines (and lines of spaces alone) are skipped, before
+    the header too. The header is checked as soon as it is read (``check_csv_header``); a row that repeats it, or a
+    record with more cells than it, is an error (``check_not_a_header``, ``check_no_extra_cells``). The lines are None,
+    and the header where it was not reached, if the csv module cannot read the file (the loader says why)."""
+    import csv
+
+    starts, start, header = [], 1, None
+    try:
+        with open(path, newline="", encoding=text_encoding(path)) as f:
+            lines = _LastLineRead(f)
+            reader = csv.reader(lines, **CSV_SPACING)
+            for row in reader:
+                if row and lines.last.strip():  # (a row's last line is blank only where the row is that line alone)
+                    starts.append(start)
+                    if header is None:
+                        header = row
+                        check_csv_header(path, header)
+                    else:
+                        check_not_a_header(path, start, row, header)
+                        check_no_extra_cells(path, start, row, header)
+                start = reader.line_num + 1
+    except (UnicodeDecodeError, csv.Error):
+        return header, None
+    return header, starts[1:]
+
+
+class _LastLineRead:
+    """A file's lines as the csv module reads them, keeping the last one read: a line of spaces alone is a blank line,
+    which pandas skips (the header is the first line that is not), where the csv module reads it as one empty cell,
+    as it reads a quoted empty cell (a record to pandas). A first line of spaces was the header [''], and every record
+    'N cells, where the header names 1 columns'."""
+
+    def __init__(self, lines):
+        self.lines, self.last = lines, ""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.last = next(self.lines)
+        return self.last
+
+
+def check_not_a_header(path, line, row, header):
+    """A record that is the header again is an error: CSV files joined as they are (``cat a.csv b.csv``) put the second
+    one's header among the records, where it was trained on as a record ("prompt" answered with "chosen"). Called for
+    every record: its cells are compared only where it has the header's length and first name (each cell of each
+    record was stripped and compared, a Python loop over every cell of a large file)."""
+    if len(row) != len(header) or _column_name(row[0].lstrip("\ufeff")) != _column_name(header[0]):
+        return
+    if [_column_name(cell.lstrip("\ufeff")) for cell in row] == [_column_name(cell) for cell in header]:  # (its BOM)
+        raise DatasetFormatError(f"{path} line {line}: the row repeats the header ({','.join(header)}); CSV files "
+                                 "joined with their headers? remove it")
+
+
+def check_no_extra_cells(path, line, row, header):
+    """A record with more cells than the header names is an error: pandas took the first record's extra cells for an
+    index column and read every record's cells under the next names (an unquoted comma in the first record made each
+    prompt its chosen answer's text, without a word), and refused a later record's with "Expected 3 fields in line 5,
+    saw 4" (no file named). Empty cells after the last (a delimiter ending a line) are no cells, on any line
+    (``_csv_options`` reads the header's columns alone)."""
+    if len(row) > len(header) and any(cell.strip() for cell in row[len(header):]):
+        raise DatasetFormatError(f"{path} line {line}: {len(row)} cells, where the header names {len(header)} columns; "
+                                 "quote a cell holding a comma (\"a, b\")")
+
+
+def _table_rows(kind, path):
+    """The number of records of a CSV or parquet file, or None (another kind, or not readable as this one: the
+    loader says why)."""
+    try:
+        if kind == "csv":
+            import pandas as pd
+
+            return len(pd.read_csv(path, nrows=1, dtype=str, keep_default_na=False, **CSV_SPACING))
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001 (an empty CSV without a header, a damaged file: left to the loader's error)
+        return 0 if kind == "csv" and os.path.getsize(path) == 0 else None
+    return None
+
+
+def _csv_options(path, header):
+    """load_dataset's options for a CSV file: its cells are text, only an empty cell is missing (pandas would also read
+    "NA", "None", "nan", ... as null), its columns are named as ``_column_name`` reads the header (``header``: its
+    cells as ``csv_record_lines`` read them; None where the csv module could not, and pandas reads it), and the spaces
+    after a comma are not the next cell's (``CSV_SPACING``)."""
+    import pandas as pd
+
+    if header is None:
+        header = pd.read_csv(path, nrows=0, **CSV_SPACING).columns
+    # (an empty header cell: named as pandas names it)
+    names = [_column_name(cell) or f"Unnamed: {number}" for number, cell in enumerate(header)]
+    # (usecols: a later line's empty cells after the last column, a comma ending it, are left out as the first
+    # line's are; csv_record_lines refused non-empty ones)
+    return {"features": _csv_text_features(names), "keep_default_na": False, "na_values": [""], "names": names,
+            "header": 0, "index_col": False, "usecols": list(range(len(names))), **CSV_SPACING}
+
+
+
+def _column_name(header_cell):
+    """A CSV header cell's column name, without the spaces around it: a header written "prompt, chosen, rejected"
+    named its columns " chosen" and " rejected", which no field is (and --data_fields cannot name), so its answers
+    went unread ("has prompts but no answers")."""
+    return header_cell.strip() or header_cell
+
+
+def _csv_text_features(names):
+    """Every CSV column as a string (CSV has no types: "5" or "007" is text, not a number)."""
+    from datasets import Features, Value
+
+    return Features({name: Value("string") for name in names})
+
+
+def _with_lf_line_ends(data):
+    """A CSV's text cells with "\\n" line ends: a quoted cell of a file written on Windows (Excel, ``to_csv`` there)
+    keeps the file's "\\r\\n" inside it, which made a "Be brief.\\r\\n\\r\\nHuman: ..." prompt one user message (its
+    system message and turns read as its text), cut a transcript's turns wherever a turn's text says "Human:" and
+    trained the "\\r"s. The columns holding one are found by arrow's vectorised search: reading every cell into Python
+    (``data[name]``, row by row) took seconds a column on a large file, most often one that holds none."""
+    import pyarrow.compute as pc
+
+    columns = [name for name in data.column_names
+               if pc.any(pc.match_substring(data.data.column(name), "\r\n")).as_py()]
+    if not columns:
+        return data
+    return data.map(_lf_cells, batched=True, fn_kwargs={"columns": columns}, desc="Reading CRLF line ends as LF")
+
+
+def _lf_cells(batch, columns):
+    return {name: [with_lf_line_ends(value) if value else value for value in batch[name]] for name in columns}
+
+
+def _error_text(err):
+    """The messages along an exception's cause chain ("An error occurred while generating the dataset" alone
+    says nothing about what is wrong with the file)."""
+    messages, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        message = str(err).strip() or type(err).__name__
+        if message not in messages:
+            messages.append(message)
+        err = err.__cause__ or err.__context__
+    return ": ".join(messages)
+
+
+def _has_json_feature(feature):
+    """Whether a feature is or holds datasets' ``Json`` type (its mixed-type columns; older datasets have no such
+    type and fail on mixed columns themselves)."""
+    try:
+        from datasets import Json
+    except ImportError:
+        return False
+    if isinstance(feature, Json):
+        return True
+    if isinstance(feature, dict):
+        return any(_has_json_feature(value) for value in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_has_json_feature(value) for value in feature)
+    inner = getattr(feature, "feature", None)
+    return inner is not None and _has_json_feature(inner)
+
+
+def _json_records(kind, path):
+    """The records of a JSON/JSONL file as the json module reads them (the file was checked already). A .json of JSON
+    Lines (``_starts_as_json_lines``: c4's shards) is read as JSON Lines, as its check reads it, not parsed whole
+    first and failing."""
+    with open_data_file(path, text_encoding(path)) as f:
+        text = f.read()
+    if kind == "json" and not _starts_as_json_lines(path):
+        try:
+            document = json.loads(text)
+            return [document] if isinstance(document, dict) else document  # one JSON Lines record
+        except json.JSONDecodeError:
+            pass  # JSON Lines in a .json file (check_json_document accepted it)
+    # "\n" only, as check_jsonl_lines reads the file: splitlines() would also split at U+2028, U+0085, ... which
+    # JSON allows raw inside strings (ensure_ascii=False writes them so)
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
+
+
+def _as_written(kind, path, data, key_orders):
+    """A JSON or JSON Lines file's ``data`` (datasets') with its columns of mixed types and those whose objects datasets
+    reordered (``key_orders``, the file's as it was checked: ``_KeyOrders.reordered_columns``) as the file writes them
+    (``_exact_json_dataset``)."""
+    mixed = any(_has_json_feature(feature) for feature in data.features.values())
+    structs = [name for name, feature in data.features.items() if _holds_struct(feature)]
+    if not mixed and not (structs and _json_type_available()):  # (a datasets without Json: as Arrow's, said there)
+        return data
+    # (the file is read again only where rebuilt: its key orders were gathered by its check's parse, and a large file
+    # of messages was parsed a second time, whole or a line at a time, to look for a reordered object)
+    reordered = key_orders.reordered_columns(data.features, structs)
+    if not mixed and not reordered:
+        return data
+    return _exact_json_dataset(kind, path, data.features, also=reordered)
+
+
+def _holds_struct(feature):
+    """Whether a feature is or holds an Arrow struct (datasets' dict of features: a column of JSON objects)."""
+    if isinstance(feature, dict):
+        return True
+    if isinstance(feature, (list, tuple)):
+        return any(_holds_struct(value) for value in feature)
+    inner = getattr(feature, "feature", None)
+    return inner is not None and _holds_struct(inner)
+
+
+# A list's items in a place of ``_KeyOrders`` (an object's keys are text, never None)
+LIST_ITEM = None
+
+
+class _KeyOrders:
+    """The orders in which a JSON file's objects write their keys, column by column and place by place (the keys and
+    list items that lead to an object), gathered by the parse that checks the file: ``reordered_columns`` says which
+    columns datasets reordered, and a file of none is not parsed again.
+
+    Arrow keeps one struct per column, its keys in the order it met them first: a later record's object of the same
+    keys in another order came back in the first one's, so a tool call's arguments {"unit": "f", "city": "Rome"} were
+    trained as {"city": "Rome", "unit": "f"} (``arguments | tojson``), and tool schemas' properties so too."""
+
+    def __init__(self):
+        self.orders = {}  # column -> {place: {the keys of an object there, in the order written}}
+
+    def add(self, record):
+        """The key orders of a parsed record's objects (its text, numbers and lists of them are passed over)."""
+        for name, value in record.items():
+            if isinstance(value, (dict, list)):
+                self._add(self.orders.setdefault(name, {}), (), value)
+
+    def _add(self, places, place, value):
+        if isinstance(value, dict):
+            places.setdefault(place, set()).add(tuple(value))
+            for key, item in value.items():
+                if isinstance(item, (dict, list)):
+                    self._add(places, place + (key,), item)
+        else:
+            inside = place + (LIST_ITEM,)
+            for item in value:
+                if isinstance(item, (dict, list)):
+                    self._add(places, inside, item)
+
+    def as_json(self):
+        """The orders gathered, as JSON ({column: [[place, [keys, ...]], ...]}: ``checked_json`` keeps them)."""
+        return {name: [[list(place), [list(keys) for keys in orders]] for place, orders in places.items()]
+                for name, places in self.orders.items()}
+
+    def add_kept(self, kept):
+        """Gather the orders ``as_json`` wrote."""
+        for name, places in kept.items():
+            for place, orders in places:
+                self.orders.setdefault(name, {}).setdefault(tuple(place), set()).update(map(tuple, orders))
+
+    def reordered_columns(self, features, names):
+        """The columns among ``names`` (of datasets' ``features``) of which an object writes its keys in another order
+        than datasets keeps."""
+        return {name for name in names for place, orders in self.orders.get(name, {}).items()
+                if _keys_reordered(orders, _feature_at(features[name], place))}
+
+
+def _feature_at(feature, place):
+    """The feature of the objects at ``place`` (``_KeyOrders``) of a column of ``feature``, else None."""
+    for step in place:
+        if step is LIST_ITEM:  # (a list of structs: [feature] or a List/Sequence's .feature)
+            listed = isinstance(feature, (list, tuple)) and feature
+            feature = feature[0] if listed else getattr(feature, "feature", None)
+        else:
+            feature = feature.get(step) if isinstance(feature, dict) else None
+        if feature is None:
+            return None
+    return feature
+
+
+def _keys_reordered(orders, feature):
+    """Whether one of the key ``orders`` of objects of a struct ``feature`` is not the struct's."""
+    return isinstance(feature, dict) and any(list(keys) != _struct_keys_among(feature, set(keys)) for keys in orders)
+
+
+def _struct_keys_among(feature, keys):
+    return [key for key in feature if key in keys]
+
+
+def _exact_json_dataset(kind, path, features, also=()):
+    """The file's records with every value exactly as written, for a file with mixed-type columns (and the columns
+    ``also``, of objects datasets reordered).
+
+    For a column whose values have different types in different records (e.g. a string in most records and
+    a number in one), datasets infers a ``Json`` feature, which stores a string that is itself valid JSON
+    as that JSON: the string "1" comes back as the number 1, "null" as None. Such columns are rebuilt here
+    from the json module's records, each value JSON-encoded, so strings stay strings and a bad value is
+    reported at its own record.
+    """
+    from datasets import Dataset, Features, Json
+
+    records = _json_records(kind, path)
+    columns = {}
+    for record in records:
+        for name in record:
+            columns.setdefault(name, None)
+    mixed = {name for name in columns if name not in features or _has_json_feature(features[name]) or name in also}
+    data = {name: [record.get(name) for record in records] for name in columns}
+    for name in mixed:
+        data[name] = [None if value is None else json.dumps(value, ensure_ascii=False) for value in data[name]]
+    exact = Features({name: Json() if name in mixed else features[name] for name in columns})
+    return Dataset.from_dict(data, features=exact)
+
+
+def load_saved_dataset(path):
+    """(train, eval or None) from a save_to_disk folder (DatasetDict or a single Dataset)."""
+    from datasets import DatasetDict, load_from_disk
+
+    # load_from_disk's FileNotFoundError would end the run in a traceback instead of a usage error
+    if not os.path.exists(path):
+        raise MissingInputError(f"{path} does not exist")
+    if not _is_saved_dataset(path):
+        raise DatasetFormatError(f"{path}: not a save_to_disk folder (it has no dataset_dict.json or state.json)")
+    try:
+        saved = load_from_disk(path)
+    except FileNotFoundError as err:  # e.g. a data file of the save is missing
+        raise DatasetFormatError(f"{path}: an incomplete save_to_disk folder: {_error_text(err)}") from err
+    if not isinstance(saved, DatasetDict):
+        return saved, None
+    if "train" not in saved:
+        raise DatasetFormatError(f"{path}: the saved DatasetDict has no 'train' split (it has {list(saved)})")
+    eval_names = [name for name in EVAL_SPLIT_NAMES if name in saved]
+    if len(eval_names) > 1:  # (a hub dataset's train/validation/test: the others were left out without a word)
+        from dschat.utils.dist import print_rank_0
+
+        print_rank_0(f"[dschat.data] {path}: evaluating on its {eval_names[0]!r} split; "
+                     f"{' and '.join(map(repr, eval_names[1:]))} not read")
+    return saved["train"], saved[eval_names[0]] if eval_names else None
+
+
+def _lists_of_objects(data):
+    """{column: value} of the lists of objects of a dataset of one record (a JSON object on one line), else {}."""
+    if len(data) != 1:
+        return {}
+    return {name: value for name, value in data[0].items() if isinstance(value, list) and value and
+            all(isinstance(item, dict) for item in value)}
+
+
+def load_split_files(kind, paths):
+    """(Dataset, record places) of a split's files: one file (``load_file``), or a split's shards read as one dataset,
+    in their order, their records' places a ``ShardPlaces``."""
+    if len(paths) == 1:
+        return load_file(kind, paths[0])
+    from datasets import concatenate_datasets
+
+    parts = _json_columns_alike(kind, paths, [load_file(kind, path) for path in paths])
+    try:
+        data = concatenate_datasets([part for part, _ in parts])
+    except ValueError as err:  # (columns or types that differ between the shards)
+        data = _joined_with_text_alike([part for part, _ in parts])
+        if data is None:
+            raise DatasetFormatError(f"{files_where(paths)}: the shards of one split hold different columns or "
+                                     f"types: {err}") from err
+    return data, ShardPlaces(paths, [lines for _, lines in parts], [len(part) for part, _ in parts])
+
+
+def _joined_with_text_alike(parts):
+    """The shards joined with their text columns of one type (one tool writes text as large_string, another as
+    string), else None."""
+    from datasets import concatenate_datasets
+
+    try:
+        return concatenate_datasets([_large_strings_as_strings(part) for part in parts])
+    except ValueError:
+        return None
+
+
+def _large_strings_as_strings(data):
+    """``data`` with its text columns of arrow's large_string (pandas' to_parquet writes them so) as string (datasets'
+    own): shards written by the two would not join."""
+    from datasets import Features, Value
+
+    large = {name: Value("string") for name, feature in data.features.items() if feature == Value("large_string")}
+    return data.cast(Features({**data.features, **large})) if large else data
+
+
+def _json_columns_alike(kind, paths, parts):
+    """The shards' (data, lines) with a column of mixed types in any shard (datasets' ``Json`` feature,
+    ``_exact_json_dataset``) read so in every one: one number among a shard's strings made its column Json there and
+    string in the others, and the shards would not join ("the features can't be aligned") where the record holding
+    it is its record's error, as in one file. So too a column of objects whose structs differ between the shards (in
+    their keys' order alone, the shards joined in the first one's: ``_KeyOrders``)."""
+    mixed = {name for part, _ in parts for name, feature in part.features.items() if _has_json_feature(feature)}
+    mixed |= _structs_differing(part for part, _ in parts)
+    if not mixed or kind not in ("json", "jsonl"):
+        return parts
+    return [(part if all(_has_json_feature(part.features[name]) for name in mixed if name in part.features) else
+             _exact_json_dataset(kind, path, {name: feature for name, feature in part.features.items()
+                                              if name not in mixed}), lines)
+            for path, (part, lines) in zip(paths, parts)]
+
+
+def _structs_differing(datasets):
+    """The struct columns whose Arrow types differ between ``datasets`` (a struct's type has its keys' order, which
+    datasets' feature dicts compare without)."""
+    types = {}
+    for data in datasets:
+        for name, feature in data.features.items():
+            if _holds_struct(feature):
+                types.setdefault(name, set()).add(str(data.data.schema.field(name).type))
+    return {name for name, kinds in types.items() if len(kinds) > 1}
+
+
+class ShardPlaces:
+    """Where the records of a split read from several shard files are: record I of the whole is record I - (the
+    records of the shards before) of its shard, and its errors name that file and line."""
+
+    def __init__(self, paths, lines, sizes):
+        self.paths, self.lines = paths, lines
+        self.starts = [sum(sizes[:number]) for number in range(len(sizes))]
+
+    def where(self, index):
+        from bisect import bisect_right
+
+        number = bisect_right(self.starts, index) - 1
+        return record_where(self.paths[number], index - self.starts[number], self.lines[number])
+
+
+def record_where(path, index, record_lines):
+    """"FILE line N (record I)" where the line of record I is known, else "FILE record I" (a split in shards: the
+    shard's, ``ShardPlaces``)."""
+    if isinstance(record_lines, ShardPlaces):
+        return record_lines.where(index)
+    return f"{path} line {record_lines[index]} (record {index})" if record_lines else f"{path} record {index}"
+
+
+def keeps_nulls(source):
+    """Whether the files of ``source`` give back the nulls in a record's objects as written, and none that it lacks:
+    JSON and JSON Lines (datasets reads a column of objects whose keys differ between records as its Json type,
+    ``_exact_json_dataset``: exactly) and CSV (text); not parquet or save_to_disk folders, whose Arrow structs give back
+    a key another record's object has as null (``without_none_values``), nor JSON read by a datasets without the Json
+    type (as structs too). A source mixing them (train.jsonl beside eval.parquet) is read as Arrow's."""
+    kinds = {source.kind, source.eval_type}
+    return kinds <= {"csv"} or (kinds <= {"json", "jsonl", "csv"} and _json_type_available())
+
+
+def _json_type_available():
+    try:
+        from datasets import Json  # noqa: F401
+    except ImportError:
+        return False
+    return True
