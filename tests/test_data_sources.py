@@ -3246,18 +3246,49 @@ def test_a_json_files_load_opens_it_for_its_hash_once_and_stats_it_for_none(tmp_
     after a first check (whether the file was written while it was checked, and the stamp to keep the pass under); the
     cache key opens it once. Its first bytes (compressed? its text's encoding) were read by two opens more, and a
     first check's by a third: they are read in its hash's open. (datasets' own reads, in its load, are not counted.)"""
+    from dschat.data import digests, reading, sources
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
+    opened_and_stated_by = opens_and_stats_counter(monkeypatch, data)
+    # (cold: its hash and first bytes (compressed? its encoding), whether its pass will be kept (the ranks' turns),
+    # the check's read, its stamp after the check)
+    assert opened_and_stated_by(lambda: reading.load_file("jsonl", str(data))) == {"opened": 4, "stated": 0}
+    # (warm: its hash and first bytes)
+    assert opened_and_stated_by(lambda: reading.load_file("jsonl", str(data))) == {"opened": 1, "stated": 0}
+    source = sources.LocalSource("jsonl", str(data), None, str(data))
+    assert opened_and_stated_by(source.fingerprint) == {"opened": 1, "stated": 1}  # (all_files: is it a file?)
+    assert source.fingerprint()["files"] == [[str(data), data.stat().st_size, digests.file_digest(str(data))]]
+
+
+def test_a_csv_files_load_reads_its_first_bytes_in_its_hashs_open(tmp_path, monkeypatch):
+    """A CSV file's load opened it for its first bytes twice (compressed? its text's encoding) and once more for its
+    hash, beside the read of its records' lines: its first bytes are read in its hash's open now, as a JSON file's
+    are. (datasets' own reads, in its load, are not counted.)"""
+    from dschat.data import reading
+
+    data = tmp_path / "train.csv"
+    data.write_text("prompt,chosen\nHi?,Hello.\n")
+    opened_and_stated_by = opens_and_stats_counter(monkeypatch, data)
+    # (its hash and first bytes, its records' lines; cold or warm, the hash's open finds its stamp)
+    assert opened_and_stated_by(lambda: reading.load_file("csv", str(data))) == {"opened": 2, "stated": 0}
+    assert opened_and_stated_by(lambda: reading.load_file("csv", str(data))) == {"opened": 2, "stated": 0}
+
+
+def opens_and_stats_counter(monkeypatch, data):
+    """A function that runs ``read`` as a new process would (no hash found in this one, ``forget_file_digests``) and
+    gives how many times it opened and stat'ed the file ``data`` (datasets' own reads, in its load, not counted); the
+    hash of ``data`` kept as on ext4, the kept entries not pruned (once a day: it stats every kept file)."""
     import builtins
 
     import datasets
 
-    from dschat.data import digests, reading, sources
+    from dschat.data import digests, reading
 
-    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    on_file_system(monkeypatch, data.parent, "ext4")  # (a file system whose change time a write sets)
     monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
-    monkeypatch.setattr(digests, "_prune_now_and_then", lambda folder: None)  # (once a day: it stats every kept file)
+    monkeypatch.setattr(digests, "_prune_now_and_then", lambda folder: None)
     monkeypatch.setattr(reading, "_prune_now_and_then", lambda folder: None)  # (its own name of it: the kept passes')
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"prompt": "Hi?", "chosen": "Hello."}\n')
     opened, stated = [], []
     counting = [True]
 
@@ -3285,14 +3316,7 @@ def test_a_json_files_load_opens_it_for_its_hash_once_and_stats_it_for_none(tmp_
         read()
         return {"opened": len(opened), "stated": len(stated)}
 
-    # (cold: its hash and first bytes (compressed? its encoding), whether its pass will be kept (the ranks' turns),
-    # the check's read, its stamp after the check)
-    assert opened_and_stated_by(lambda: reading.load_file("jsonl", str(data))) == {"opened": 4, "stated": 0}
-    # (warm: its hash and first bytes)
-    assert opened_and_stated_by(lambda: reading.load_file("jsonl", str(data))) == {"opened": 1, "stated": 0}
-    source = sources.LocalSource("jsonl", str(data), None, str(data))
-    assert opened_and_stated_by(source.fingerprint) == {"opened": 1, "stated": 1}  # (all_files: is it a file?)
-    assert source.fingerprint()["files"] == [[str(data), data.stat().st_size, digests.file_digest(str(data))]]
+    return opened_and_stated_by
 
 
 def test_a_json_file_written_while_it_is_checked_is_loaded_under_the_hash_of_what_is_read(tmp_path, monkeypatch):

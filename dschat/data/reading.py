@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from dschat.errors import MissingInputError, UsageError
 from dschat.utils.files import atomic_file
-from .digests import (HEAD_BYTES, HashedFile, _datasets_cache_folder, _memo_bucket_lock, _prune_now_and_then,
-                      _stat_stamp, file_digest, file_digest_and_stamp, shared_digest)
+from .digests import (HEAD_BYTES, _datasets_cache_folder, _memo_bucket_lock, _prune_now_and_then, _stat_stamp,
+                      file_digest, file_digest_and_stamp, shared_digest)
 from .errors import DatasetFormatError
 from .fields import EVAL_SPLIT_NAMES, EXTENSION_TYPES, SPEAKER_KEYS, _are_messages, files_where
 from .formatting import with_lf_line_ends
@@ -662,15 +662,15 @@ def load_file(kind, path):
     (``open_data_file``), as a plain one is, then read by datasets' json loader, which decompresses it too. A JSON
     file's check that passed for its content before is not made again (``checked_json``)."""
     record_lines = header = None
-    # (a JSON file's check's key and its load's: found once, again only where the file was written while it was
-    # checked; its first bytes read in the same open)
-    hashed = file_digest_and_stamp(path) if kind in ("json", "jsonl") else HashedFile(None, None)
+    # (its load's key, and a JSON file's check's: found once, again only where the file was written while it was
+    # checked; its first bytes (compressed? its text's encoding) read in the same open)
+    hashed = file_digest_and_stamp(path)
     check_compression_read(kind, path, head=hashed.head)
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind in ("json", "jsonl"):
         record_lines, hashed = checked_json(kind, path, key_orders, hashed)
     elif kind == "csv":
-        header, record_lines = csv_record_lines(path)
+        header, record_lines = csv_record_lines(path, hashed.head)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
     # (datasets would fail with its own wording; a CSV's rows are counted where the csv module could not read it)
     if (record_lines is not None and not record_lines) or (record_lines is None and _table_rows(kind, path) == 0):
@@ -752,17 +752,18 @@ def check_separated_by_commas(path, header):
                                  f"{separator!r}, not commas; save it as comma-separated CSV")
 
 
-def csv_record_lines(path):
+def csv_record_lines(path, head=None):
     """(the header's cells, the lines (1-based) where its records start) of a CSV file, read once, as pandas reads
     them: after the header, a quoted cell may span lines, blank lines (and lines of spaces alone) are skipped, before
     the header too. The header is checked as soon as it is read (``check_csv_header``); a row that repeats it, or a
     record with more cells than it, is an error (``check_not_a_header``, ``check_no_extra_cells``). The lines are None,
-    and the header where it was not reached, if the csv module cannot read the file (the loader says why)."""
+    and the header where it was not reached, if the csv module cannot read the file (the loader says why). ``head``:
+    the file's first bytes where read already (``HashedFile.head``: its encoding told by them, ``text_encoding``)."""
     import csv
 
     starts, start, header = [], 1, None
     try:
-        with open(path, newline="", encoding=text_encoding(path)) as f:
+        with open(path, newline="", encoding=text_encoding(path, head)) as f:
             lines = _LastLineRead(f)
             reader = csv.reader(lines, **CSV_SPACING)
             for row in reader:
