@@ -776,6 +776,24 @@ def test_json_lines_named_with_another_compression_is_told_a_name_that_replaces_
     assert len(adapter.raw_datasets["train"]) == len(RECORDS)
 
 
+def test_a_gzip_file_named_jsonl_is_refused_by_its_first_bytes_before_it_is_hashed(tmp_path, monkeypatch):
+    """A load of x.jsonl holding gzip hashed the whole file (a shard: hundreds of MB) before its first bytes, read in
+    the same open, said it was compressed: they are checked before it is read whole now."""
+    import gzip
+
+    from dschat.data import digests, reading
+
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
+
+    def hashed_whole(*args):
+        raise AssertionError(f"{path} hashed whole")
+
+    monkeypatch.setattr(digests.hashlib, "file_digest", hashed_whole)
+    with pytest.raises(DatasetFormatError, match="compressed with gzip, which its name does not say"):
+        reading.load_file("jsonl", str(path))
+
+
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
     """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
     said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its

@@ -28,12 +28,14 @@ class HashedFile(collections.namedtuple("HashedFile", "sha256 stamp head", defau
     (``compressed_with``, ``text_encoding``), not by opens of its own."""
 
 
-def file_digest_and_stamp(path):
-    """``file_digest`` of the file at ``path`` as a HashedFile."""
+def file_digest_and_stamp(path, check_head=None):
+    """``file_digest`` of the file at ``path`` as a HashedFile. ``check_head``: called with the file's first bytes
+    before it is read whole (where it is opened: not a hub blob), so that its error (a load's compression check) comes
+    before a read of the whole file."""
     if blob := hub_blob_sha256(path):
         return HashedFile(blob, None)
     with open(path, "rb") as f:
-        return _digest_of_open_file(f, os.path.abspath(path))
+        return _digest_of_open_file(f, os.path.abspath(path), check_head)
 
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -83,7 +85,7 @@ def shared_digest(path):
         return HashedFile(kept, stamp)
 
 
-def _digest_of_open_file(f, path):
+def _digest_of_open_file(f, path, check_head=None):
     """The sha256 of the file ``f``, opened at ``path`` (absolute), under the stamp of the file opened (device, inode,
     size, modification and change times; ``os.fstat``, not a stat before the open: an NFS client's stat answers from
     attributes it cached, up to a minute, where its open asks the server), kept for later processes
@@ -92,9 +94,12 @@ def _digest_of_open_file(f, path):
     back: an edited file has another stamp, and is read. A file written while it was read keeps nothing, nor one on a
     file system not known to keep a real change time (``_keeps_change_time``). Processes hashing the same file at once
     (a node's ranks on a first run) take turns (``_memo_bucket_lock``): the first hashes it, the others read its hash.
-    A HashedFile: with the stamp it was hashed under, and its first bytes."""
+    A HashedFile: with the stamp it was hashed under, and its first bytes (given to ``check_head`` first, where
+    given)."""
     stamp = _stat_stamp(os.fstat(f.fileno()))
     head = f.read(HEAD_BYTES)
+    if check_head is not None:
+        check_head(head)
     f.seek(0)
     keeps = _keeps_change_time(f.fileno())
     if (digest := _DIGESTS.get((path, stamp)) or (_kept_digest(path, stamp) if keeps else None)) is None:

@@ -663,9 +663,11 @@ def load_file(kind, path):
     file's check that passed for its content before is not made again (``checked_json``)."""
     record_lines = header = None
     # (its load's key, and a JSON file's check's: found once, again only where the file was written while it was
-    # checked; its first bytes (compressed? its text's encoding) read in the same open)
-    hashed = file_digest_and_stamp(path)
-    check_compression_read(kind, path, head=hashed.head)
+    # checked; its first bytes (compressed? its text's encoding) read in the same open, a compressed file refused by
+    # them before it is read whole)
+    hashed = file_digest_and_stamp(path, check_head=lambda head: check_compression_read(kind, path, head=head))
+    if hashed.head is None:  # (a hub blob: its hash is its name, the file not opened)
+        check_compression_read(kind, path)
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind in ("json", "jsonl"):
         record_lines, hashed = checked_json(kind, path, key_orders, hashed)
