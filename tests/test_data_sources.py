@@ -908,7 +908,7 @@ def test_a_compressed_folders_files_are_told_by_their_bytes_not_their_names(tmp_
              r"packed: its train data train.csv.gz is compressed with xz, which dschat does not read: decompress its "
              r"files \((.*)\) and give the folder again$"),
             (train_text.encode(), gzip.compress(test_text.encode()),
-             r"packed: its train data train.csv.gz is not gzip data, though its name says it is: write its plain "
+             r"packed: its train data train.csv.gz: not gzip data, though its name says it is: write its plain "
              r"files \((.*)\) and give the folder again$")):
         folder = tmp_path / "packed"
         shutil.rmtree(folder, ignore_errors=True)

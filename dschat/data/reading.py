@@ -117,17 +117,18 @@ def undecompressable_error(path, packed, err):
     return misnamed_compressed_error(path, tool, held, read_decompressed=True)
 
 
-def misnamed_compressed_error(path, named, held, where=None, read_decompressed=False):
+def misnamed_compressed_error(path, named, held, where=None, read_decompressed=False, plain_fix=None):
     """The error for a file whose name says it is compressed with ``named`` (x.csv.gz, x.jsonl.gz), told by what its
     bytes hold (``held``: ``compressed_with``), not by its name: x.csv.gz holding xz, or the plain CSV, was told
     "compressed with gzip ... (gunzip -k x.csv.gz)", which gunzip refuses ("not in gzip format"). Data of no
-    compression is told the name to give it; of a compression the file would be read decompressed in, named so
-    (``read_decompressed``: a file ``open_data_file`` reads; PACKED_JSON_EXTENSIONS), that name; of another, that
-    one's command (``compressed_error``). ``where``: how the error names ``path``."""
+    compression is told the name to give it (or ``plain_fix``: a folder's, the commands that write all its plain
+    files); of a compression the file would be read decompressed in, named so (``read_decompressed``: a file
+    ``open_data_file`` reads; PACKED_JSON_EXTENSIONS), that name; of another, that one's command
+    (``compressed_error``). ``where``: how the error names ``path``."""
     misnamed = f"{where or path}: not {named} data, though its name says it is"
     if held is None:
-        return DatasetFormatError(f"{misnamed}: where it is the uncompressed file, name it so "
-                                  f"({plain_file_command(path, held)})")
+        return DatasetFormatError(f"{misnamed}: " + (plain_fix or "where it is the uncompressed file, name it so "
+                                                     f"({plain_file_command(path, held)})"))
     if read_decompressed and held in PACKED_JSON_EXTENSIONS:
         renamed = named_compressed_with(path, PACKED_JSON_EXTENSIONS[held])
         return DatasetFormatError(f"{misnamed}: it is compressed with {held}; name it so "
@@ -471,10 +472,10 @@ def check_folder_not_compressed(folder, where=None):
     held = {path: held_compression(path, COMPRESSED_EXTENSIONS[os.path.splitext(path)[1]]) for path in paths}
     commands = " && ".join(plain_file_command(path, held[path]) for path in paths)
     named = COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]
-    if held[train] is None:
-        raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is not {named} data, "
-                                 f"though its name says it is: write its plain files ({commands}) and give the folder "
-                                 "again")
+    if held[train] is None:  # (a file's own message, with the commands for all the folder's files)
+        raise misnamed_compressed_error(train, named, None, f"{where or folder}: its train data "
+                                        f"{os.path.basename(train)}", plain_fix=f"write its plain files ({commands}) "
+                                        "and give the folder again")
     raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is compressed with "
                              f"{held[train]}, which dschat does not read: decompress its files ({commands}) and give "
                              "the folder again")
