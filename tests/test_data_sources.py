@@ -3451,6 +3451,34 @@ def test_a_splits_records_that_passed_are_not_read_again_for_the_same_content_an
 
 
 
+def test_a_splits_records_pass_is_pruned_once_any_of_its_files_is_written(tmp_path, monkeypatch):
+    """A split's records' pass named its first file alone for pruning (``prune_kept_digests``): a pass of shards whose
+    second was written since, which no process reads again (kept by the old content's hash), stayed for as long as
+    the first was there as it was. It names all the split's files now, and goes once any of them is written."""
+    import glob
+
+    import datasets
+
+    from dschat.data import digests, reading
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    shards = tmp_path / "shards"
+    (shards / "data").mkdir(parents=True)
+    write_records(RECORDS[:5], shards / "data" / "train-00000-of-00002.jsonl", "jsonl")
+    write_records(RECORDS[5:10], shards / "data" / "train-00001-of-00002.jsonl", "jsonl")
+    test = write_records(RECORDS[10:15], shards / "data" / "test-00000-of-00001.jsonl", "jsonl")
+    digests.forget_file_digests()
+    raw(str(shards), tmp_path)
+    folder = os.path.join(datasets.config.HF_DATASETS_CACHE, reading.RECORDS_CHECK_MEMO_FOLDER)
+    passes = glob.glob(os.path.join(folder, "*", "*"))
+    assert len(passes) == 2  # (the train split's and the test split's)
+    write_records(RECORDS[5:9], shards / "data" / "train-00001-of-00002.jsonl", "jsonl")  # (the second shard)
+    digests.prune_kept_digests(folder)
+    [kept] = glob.glob(os.path.join(folder, "*", "*"))
+    assert [path for path, _ in digests._entry_files(kept)] == [test]
+
+
 def test_a_splits_records_pass_is_kept_by_the_content_it_loaded_not_by_a_write_during_the_load(tmp_path, monkeypatch):
     """A split's records' pass was kept by the hashes of its files taken after the load (the eval split's after the
     train split's walk, seconds to minutes of it): an eval file written meanwhile kept the pass of the records loaded

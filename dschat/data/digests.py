@@ -275,16 +275,21 @@ def prune_kept_digests(folder):
 
 
 def _stale_entry(entry, now):
-    """Whether the kept hash ``entry`` (an os.DirEntry) is of a file gone, or written since (another stamp: the
-    device number aside, which a file of a shared NFS mount has another of on each node), or names no file and is
+    """Whether the kept hash ``entry`` (an os.DirEntry; or kept pass: ``_keep_passed_check``) is of a file gone, or
+    written since (another stamp: the device number aside, which a file of a shared NFS mount has another of on each
+    node), of any of the files it names (a split's records' pass names all its files), or names no file and is
     UNNAMED_ENTRY_AGE_S old; or is a temp file of a writer killed that long ago."""
     old = now - entry.stat().st_mtime > UNNAMED_ENTRY_AGE_S
     if not _SHA256_HEX.fullmatch(entry.name):
         return old and entry.name.endswith(".tmp")  # (``atomic_file``'s)
-    named = _entry_file(entry.path)
+    named = _entry_files(entry.path)
     if named is None:
         return old
-    path, stamp = named
+    return any(_gone_or_written(path, stamp) for path, stamp in named)
+
+
+def _gone_or_written(path, stamp):
+    """Whether the file at ``path`` is gone, or has another stamp than ``stamp`` (its device number aside)."""
     try:
         now_stamp = _stat_stamp(os.stat(path))
     except (FileNotFoundError, NotADirectoryError):
@@ -292,14 +297,19 @@ def _stale_entry(entry, now):
     return now_stamp[1:] != stamp[1:]
 
 
-def _entry_file(memo):
-    """(path, stamp) that the kept hash ``memo`` was written for, else None (an entry written before they were)."""
+def _entry_files(memo):
+    """[(path, stamp)] of the files the kept entry ``memo`` was written for, from its second line: a kept hash's one
+    file, [path, *stamp]; a kept pass's files, [[path, *stamp], ...]. None for an entry written before entries named
+    their files, or not readable so."""
     try:
         with open(memo, encoding="ascii") as f:
-            path, *stamp = json.loads(f.read().partition("\n")[2])
-    except (ValueError, TypeError):  # (not ASCII, no JSON, no list)
+            named = json.loads(f.read().partition("\n")[2])
+    except ValueError:  # (not ASCII, no JSON)
         return None
-    return (path, tuple(stamp)) if isinstance(path, str) and len(stamp) == 5 else None
+    files = named if isinstance(named, list) and named and all(isinstance(one, list) for one in named) else [named]
+    if not all(isinstance(one, list) and len(one) == 6 and isinstance(one[0], str) for one in files):
+        return None
+    return [(path, tuple(stamp)) for path, *stamp in files]
 
 
 def all_files(path):

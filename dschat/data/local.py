@@ -401,7 +401,7 @@ class LocalDataset(PromptRawDataset):
                 return
             self._validate(data, where, record_lines)
             if _hashes_shared(paths, digests):
-                _keep_passed_check(memo, paths[0], None, {"passed": True})
+                _keep_passed_check(memo, [(path, None) for path in paths], {"passed": True})
 
     def _validate(self, data, path, record_lines):
         """Read every record through the accessors once, so a bad one fails now, with its location."""

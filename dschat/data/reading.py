@@ -536,7 +536,7 @@ def checked_json(kind, path, key_orders, hashed):
                 if shared.stamp != hashed.stamp:  # (written since it was hashed: the hash is of other content)
                     return record_lines, file_digest_and_stamp(path)
                 if shared.sha256 == digest:
-                    _keep_passed_check(memo, path, shared.stamp, _check_as_kept(record_lines, key_orders))
+                    _keep_passed_check(memo, [(path, shared.stamp)], _check_as_kept(record_lines, key_orders))
                 return record_lines, hashed
     key_orders.add_kept(kept["key_orders"])
     return _record_lines_kept(kept["lines"], path), hashed
@@ -579,13 +579,13 @@ def _kept_json_check(memo):
     return kept if isinstance(kept, dict) and {"lines", "key_orders"} <= kept.keys() else None
 
 
-def _keep_passed_check(memo, path, stamp, kept):
-    """Write a passed check (a JSON file's; a split's records', ``path`` its first file) at ``memo`` whole
-    (``atomic_file``), the file's path and ``stamp`` (None: the file's now) on its second line, as a kept hash's, for
-    pruning to remove it once the file is gone or written (``prune_kept_digests``; a copy of the content elsewhere then
-    checks it again). A cache folder not writable keeps nothing."""
+def _keep_passed_check(memo, files, kept):
+    """Write a passed check (a JSON file's; a split's records') at ``memo`` whole (``atomic_file``), the paths and
+    stamps of the checked ``files`` ((path, stamp) pairs; a stamp None: the file's now) on its second line, as a kept
+    hash's, for pruning to remove it once any of them is gone or written (``prune_kept_digests``; a copy of the content
+    elsewhere then checks it again). A cache folder not writable keeps nothing."""
     with contextlib.suppress(OSError):
-        entry = json.dumps([os.path.abspath(path), *(stamp or _stat_stamp(os.stat(path)))])
+        entry = json.dumps([[os.path.abspath(path), *(stamp or _stat_stamp(os.stat(path)))] for path, stamp in files])
         with atomic_file(memo) as f:
             f.write(f"{json.dumps(kept)}\n{entry}")  # (ASCII: as pruning reads it)
     _prune_now_and_then(os.path.dirname(os.path.dirname(memo)))  # (its memo folder: the JSON checks' or records')
