@@ -794,6 +794,22 @@ def test_a_gzip_file_named_jsonl_is_refused_by_its_first_bytes_before_it_is_hash
         reading.load_file("jsonl", str(path))
 
 
+def test_a_hub_blob_named_jsonl_holding_gzip_is_refused_though_its_hash_opens_nothing(tmp_path):
+    """A hub cache's file is hashed by its blob's name, not opened (``hub_blob_sha256``): no first bytes come with its
+    hash, and its compression is checked by an open of its own."""
+    import gzip
+
+    from dschat.data import reading
+
+    snapshot = tmp_path / "datasets--org--name" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    path = snapshot / "x.jsonl"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
+    link_into_hub_cache(snapshot)
+    with pytest.raises(DatasetFormatError, match="compressed with gzip, which its name does not say"):
+        reading.load_file("jsonl", str(path))
+
+
 def test_a_compressed_file_given_with_its_type_is_said_with_the_flag_before_any_step_runs(tmp_path, monkeypatch):
     """jsonl:packed.jsonl (a .jsonl file that is gzip inside) passed the pre-flight check_data_paths, and loading it
     said "packed.jsonl: the file is compressed ..." naming no flag (--sft_only_data_path, a tool's --pairs_file); its
