@@ -425,7 +425,54 @@ def without_flags_given_in(parser, argv, later):
     return kept
 
 
-class StepParser(SaidOnceParser):
+class HintingParser(SaidOnceParser):
+    """An unrecognized flag is the first error said, with the flags it may have meant (``flags_meant``): argparse
+    named no flag for ``chat.py --max-new-tokens 5`` or train.py's ``--actor_model`` (its flags are spelled with
+    "-", the steps' with "_"), and told ``rw_eval.py --model X`` only that --model_name_or_path is required."""
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else args
+        self.refuse_unknown_flags(argv)
+        return super().parse_args(argv, namespace)
+
+    def refuse_unknown_flags(self, argv):
+        """Each ``--flag`` of ``argv`` this parser lacks (with the values after it) is an error, before argparse's
+        own checks, which say a missing required flag first."""
+        unknown = [str(token) for dest, tokens in flag_groups(self, argv)
+                   if dest is None and str(tokens[0]).startswith("--") and tokens[0] != "--" for token in tokens]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
+
+    def hint(self, unknown):
+        said = []
+        for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--")):
+            if meant := self.flags_meant(given):
+                said.append(f"{given}: did you mean {' or '.join(meant)}?")
+        return f" ({'; '.join(said)})" if said else ""
+
+    def flags_meant(self, given):
+        return close_flags(given, self.long_flags())
+
+    def long_flags(self):
+        return [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+
+
+def close_flags(given, flags):
+    """The ``flags`` that ``given`` may have meant: one spelled with the other separator ("-" for "_"), else those it
+    begins (the parsers take no abbreviations; at most three), else the closest spellings."""
+    import difflib
+
+    def plain(flag):
+        return flag.replace("-", "_")
+
+    same = [flag for flag in flags if plain(flag) == plain(given)]
+    begun = [flag for flag in flags if plain(flag).startswith(plain(given))]
+    by_plain = {plain(flag): flag for flag in flags}
+    return same or (begun if len(begun) <= 3 else []) or \
+        [by_plain[name] for name in difflib.get_close_matches(plain(given), by_plain, n=2, cutoff=0.8)]
+
+
+class StepParser(HintingParser):
     """An unrecognized flag's error names the step's flags it may have meant: the role's flags of another step's
     (step 3's ``--actor_lora_dim`` and ``--critic_lora_dim`` for ``--lora_dim``; step 1's ``--lora_dim`` for
     ``--actor_lora_dim``), else the closest spellings. On the command line (``sys.argv``) a flag given twice is an
@@ -435,10 +482,7 @@ class StepParser(SaidOnceParser):
         if args is None:  # (a list from Python, a notebook's or a test's, keeps argparse's last-wins)
             args = sys.argv[1:]
             self.check_given_once(args)
-        parsed, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
-        return parsed
+        return super().parse_args(args, namespace)
 
     def check_given_once(self, argv):
         """A user's flag given twice (``repeated_flags``) is an error: argparse kept the last one's value, unsaid
@@ -446,17 +490,9 @@ class StepParser(SaidOnceParser):
         if repeated := repeated_flags(self, argv):
             self.error(f"given more than once: {', '.join(repeated)}; give each once")
 
-    def hint(self, unknown):
-        import difflib
-
-        flags = [option for action in self._actions for option in action.option_strings if option.startswith("--")]
-        said = []
-        for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--")):
-            meant = [flag for flag in flags if _with_role(flag, given) or _with_role(given, flag)] or \
-                difflib.get_close_matches(given, flags, n=2, cutoff=0.8)
-            if meant:
-                said.append(f"{given}: did you mean {' or '.join(meant)}?")
-        return f" ({'; '.join(said)})" if said else ""
+    def flags_meant(self, given):
+        return [flag for flag in self.long_flags() if _with_role(flag, given) or _with_role(given, flag)] or \
+            super().flags_meant(given)
 
 
 def _with_role(flag, plain):

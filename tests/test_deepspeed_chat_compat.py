@@ -373,6 +373,21 @@ def test_train_py_says_how_to_pass_step_flags_it_does_not_take(capsys):
     assert train["parse_args"](["--actor-model", "tiny-opt"]).actor_model == "tiny-opt"
 
 
+def test_train_py_names_its_own_flag_a_step_spelling_meant(capsys):
+    """train.py's flags are DeepSpeed-Chat's, spelled with "-", the steps' with "_": --actor_model (or a typo,
+    --output-dri) was said to be unrecognized with no flag named, where a step's flag is told how to pass."""
+    import runpy
+
+    from launch import REPO
+
+    train = runpy.run_path(str(REPO / "train.py"))
+    for given, meant in (("--actor_model", "--actor-model"), ("--step3_args", "--step3-args"),
+                         ("--deployment_type", "--deployment-type"), ("--output-dri", "--output-dir")):
+        with pytest.raises(SystemExit):
+            train["parse_args"]([given, "x"])
+        assert f"unrecognized arguments: {given} x\n  {given}: did you mean {meant}?" in capsys.readouterr().err
+
+
 def test_train_py_help_prints_its_example_commands_as_written(capsys):
     """The help's two-line deepspeed example lost its backslash and newline (a "\\" at a line's end inside the
     docstring joins the lines), printing one line with a run of spaces in it."""

@@ -4,10 +4,10 @@
 The conversation is kept as messages and rendered with ``format_prompt`` on every turn, so the model sees
 the same text format it was trained on (its chat template, else "Human:/Assistant:").
 """
-import argparse
 import sys
 
 from dschat.data.formatting import HUMAN_PREFIX, uses_chat_template
+from dschat.args import HintingParser
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
@@ -178,7 +178,7 @@ def echoing_input(prompt):
 
 def build_parser():
     # (--help's description: the docstring's first paragraph, which says how to chat)
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = HintingParser(allow_abbrev=False, description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--path", required=True,
                         help="A run's output folder (uses the policy its last train.py run reported, else "
                              "step3_ppo/actor, step2_dpo, step1_sft; an unfinished run's step1_sft first), a model "

@@ -11,8 +11,8 @@ import json
 import os
 from types import SimpleNamespace
 
-from dschat.args import (DEFAULT_SEED, add_data_args, non_negative_int, positive_int, resolve_pad_to_multiple_of,
-                         seed_int)
+from dschat.args import (DEFAULT_SEED, HintingParser, add_data_args, non_negative_int, positive_int,
+                         resolve_pad_to_multiple_of, seed_int)
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path, is_tiny_data
 from dschat.models.loading import (check_sequence_fits, embedding_rows, grow_embeddings_for, load_tokenizer,
@@ -167,7 +167,7 @@ RUN_DEFAULT = "the policy's run's, else %(default)s"
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser = HintingParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--policy", required=True,
                         help="The policy to score, e.g. the PPO actor: a model folder, or a run's output folder, "
                              "which uses the policy its last train.py run reported (else step3_ppo/actor, "

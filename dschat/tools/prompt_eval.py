@@ -5,9 +5,8 @@ name), or by
 default from the embedded held-out data (also ``--prompts_file tiny``), whose answers are also scored with the
 bundled rule scorer.
 """
-import argparse
 
-from dschat.args import DEFAULT_SEED, positive_int
+from dschat.args import DEFAULT_SEED, HintingParser, positive_int
 from dschat.data.formatting import render_human_assistant
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
@@ -125,7 +124,7 @@ def _mean(values):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser = HintingParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path_baseline", required=True, help="E.g. the base model.")
     parser.add_argument("--model_name_or_path_finetune", required=True,
                         help="E.g. output/step1_sft, or a run's output folder (its policy, as chat.py picks it).")

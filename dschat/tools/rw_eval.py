@@ -3,13 +3,12 @@
 Each answer is scored on exactly the tokens step 2 trained on and step 3 rewards: the ``format_prompt`` ids,
 then the ``format_answer`` ids (cut to ``--max_seq_len``), then the eot token, read at its last token.
 """
-import argparse
 import os
 from collections import Counter
 
 import torch
 
-from dschat.args import DEFAULT_SEED, non_negative_int, positive_int, seed_int
+from dschat.args import DEFAULT_SEED, HintingParser, non_negative_int, positive_int, seed_int
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data import pipeline
@@ -147,7 +146,7 @@ def print_answers(messages, answers, scores, cuts=None, max_seq_len=None):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser = HintingParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", required=True,
                         help="The reward model: step 2's folder, another trained one (a folder or hub name), or a "
                              "run's output folder, which uses the one its step 3 scored with (else its step2_rm).")
