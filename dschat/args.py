@@ -444,11 +444,13 @@ class HintingParser(SaidOnceParser):
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
 
     def hint(self, unknown):
-        said = []
-        for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--")):
-            if meant := self.flags_meant(given):
-                said.append(f"{given}: did you mean {' or '.join(meant)}?")
-        return f" ({'; '.join(said)})" if said else ""
+        said = [self.flag_hint(given) for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--"))]
+        return f" ({'; '.join(filter(None, said))})" if any(said) else ""
+
+    def flag_hint(self, given):
+        """What the unknown flag ``given`` may be, in words, or None."""
+        meant = self.flags_meant(given)
+        return f"{given}: did you mean {' or '.join(meant)}?" if meant else None
 
     def flags_meant(self, given):
         return close_flags(given, self.long_flags())
@@ -493,6 +495,21 @@ class StepParser(HintingParser):
     def flags_meant(self, given):
         return [flag for flag in self.long_flags() if _with_role(flag, given) or _with_role(given, flag)] or \
             super().flags_meant(given)
+
+    def flag_hint(self, given):
+        """Else another step's flag (step 3's --print_answers given to step 1) names the steps that take it."""
+        if said := super().flag_hint(given):
+            return said
+        steps = steps_taking(given)
+        return f"{given}: a flag of {' and '.join(steps)}" if steps else None
+
+
+def steps_taking(flag):
+    """The step scripts whose parsers take ``flag``, each as "step 3 (training/step3_ppo/main.py)"."""
+    scripts = (("step 1", step1_parser, "step1_sft"), ("step 2", step2_parser, "step2_rm"),
+               ("DPO", step2_dpo_parser, "step2_dpo"), ("step 3", step3_parser, "step3_ppo"))
+    return [f"{name} (training/{folder}/main.py)" for name, parser, folder in scripts
+            if flag in parser()._option_string_actions]
 
 
 def _with_role(flag, plain):

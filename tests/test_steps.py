@@ -598,6 +598,19 @@ def test_a_flag_of_another_step_or_a_misspelling_names_the_flags_meant(capsys):
     assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzz 1")
 
 
+def test_a_flag_only_another_step_takes_names_that_step(capsys):
+    """Step 3's --print_answers given to step 1 (or step 1's --include_prompt_in_loss to step 3) was said to be
+    unrecognized and no more, as if dschat lacked it."""
+    from dschat.args import step1_parser, step3_parser
+
+    for parser, given, steps in ((step1_parser, "--print_answers", "step 3 (training/step3_ppo/main.py)"),
+                                 (step3_parser, "--include_prompt_in_loss",
+                                  "step 1 (training/step1_sft/main.py) and DPO (training/step2_dpo/main.py)")):
+        with pytest.raises(SystemExit):
+            parser().parse_args([given])
+        assert f"unrecognized arguments: {given} ({given}: a flag of {steps})" in capsys.readouterr().err
+
+
 # argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
 @pytest.mark.parametrize("parser, flag, value", [
     ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "inf"),
