@@ -500,16 +500,19 @@ class StepParser(HintingParser):
         """Else another step's flag (step 3's --print_answers given to step 1) names the steps that take it."""
         if said := super().flag_hint(given):
             return said
-        steps = steps_taking(given)
+        steps = steps_taking(given, under_train_py=self.prog.startswith("train.py"))
         return f"{given}: a flag of {' and '.join(steps)}" if steps else None
 
 
-def steps_taking(flag):
-    """The step scripts whose parsers take ``flag``, each as "step 3 (training/step3_ppo/main.py)"."""
-    scripts = (("step 1", step1_parser, "step1_sft"), ("step 2", step2_parser, "step2_rm"),
-               ("DPO", step2_dpo_parser, "step2_dpo"), ("step 3", step3_parser, "step3_ppo"))
-    return [f"{name} (training/{folder}/main.py)" for name, parser, folder in scripts
-            if flag in parser()._option_string_actions]
+def steps_taking(flag, under_train_py=False):
+    """The step scripts whose parsers take ``flag``, each as "step 3 (training/step3_ppo/main.py)", or, for a flag
+    given in train.py's --stepN-args, with the --stepN-args that passes it: "step 3 (--step3-args)"."""
+    scripts = (("step 1", step1_parser, "step1_sft", "--step1-args"),
+               ("step 2", step2_parser, "step2_rm", "--step2-args"),
+               ("DPO", step2_dpo_parser, "step2_dpo", "--step2-args with --recipe dpo"),
+               ("step 3", step3_parser, "step3_ppo", "--step3-args"))
+    return [f"{name} ({option if under_train_py else f'training/{folder}/main.py'})"
+            for name, parser, folder, option in scripts if flag in parser()._option_string_actions]
 
 
 def _with_role(flag, plain):

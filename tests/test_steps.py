@@ -609,6 +609,11 @@ def test_a_flag_only_another_step_takes_names_that_step(capsys):
         with pytest.raises(SystemExit):
             parser().parse_args([given])
         assert f"unrecognized arguments: {given} ({given}: a flag of {steps})" in capsys.readouterr().err
+    in_train_py = step1_parser()
+    in_train_py.prog = "train.py --step1-args"  # (as train.py names it: there the step's option is what to give)
+    with pytest.raises(SystemExit):
+        in_train_py.parse_args(["--print_answers"])
+    assert "(--print_answers: a flag of step 3 (--step3-args))" in capsys.readouterr().err
 
 
 # argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
