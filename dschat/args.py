@@ -437,9 +437,15 @@ class HintingParser(SaidOnceParser):
 
     def refuse_unknown_flags(self, argv):
         """Each ``--flag`` of ``argv`` this parser lacks (with the values after it) is an error, before argparse's
-        own checks, which say a missing required flag first."""
-        unknown = [str(token) for dest, tokens in flag_groups(self, argv)
-                   if dest is None and str(tokens[0]).startswith("--") and tokens[0] != "--" for token in tokens]
+        own checks, which say a missing required flag first. One right after a flag that wants a value is left to
+        argparse: ``--prompt --hi`` "expected one argument" (give ``--prompt=--hi``)."""
+        unknown, wants_value = [], False
+        for dest, tokens in flag_groups(self, argv):
+            text = str(tokens[0])
+            if dest is None and text.startswith("--") and text != "--" and not wants_value:
+                unknown += map(str, tokens)
+            action = self._option_string_actions.get(text.split("=", 1)[0]) if dest is not None else None
+            wants_value = action is not None and action.nargs in (None, "+") and "=" not in text and len(tokens) == 1
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
 

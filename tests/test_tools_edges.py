@@ -1086,3 +1086,14 @@ def test_a_mistyped_tool_flag_is_the_error_naming_the_flag_meant(tool, argv, nam
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and f"unrecognized arguments: {' '.join(argv[-2:])} {named}" in err, err
     assert "required" not in err
+
+
+def test_a_value_that_begins_with_dashes_is_still_the_missing_value_of_its_flag(capsys):
+    """``--prompt --hi``: argparse's "expected one argument" (the way out: --prompt=--hi), not "--hi" as an unknown
+    flag."""
+    from dschat.tools import chat
+
+    with pytest.raises(SystemExit):
+        chat.main(["--path", "tiny-llama", "--prompt", "--hi"])
+    err = capsys.readouterr().err
+    assert "argument --prompt: expected one argument" in err and "unrecognized" not in err, err
