@@ -483,8 +483,8 @@ def close_flags(given, flags):
 class StepParser(HintingParser):
     """An unrecognized flag's error names the step's flags it may have meant: the role's flags of another step's
     (step 3's ``--actor_lora_dim`` and ``--critic_lora_dim`` for ``--lora_dim``; step 1's ``--lora_dim`` for
-    ``--actor_lora_dim``), else the closest spellings. On the command line (``sys.argv``) a flag given twice is an
-    error, as in train.py (``check_given_once``)."""
+    ``--actor_lora_dim``), else the closest spellings (``close_flags``), else the steps that take it. On the command
+    line (``sys.argv``) a flag given twice is an error, as in train.py (``check_given_once``)."""
 
     def parse_args(self, args=None, namespace=None):
         if args is None:  # (a list from Python, a notebook's or a test's, keeps argparse's last-wins)
