@@ -2733,12 +2733,30 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
                        ("evals", "evals: the folder holds eval.jsonl and eval.json"),
                        ("shards", r"shards: the folder holds the train split in shards of more than one download "
                                   r"\(shards of 2 and 3 in all\)"),
-                       ("a,b,c", "a,b,c: expected PATH or TRAIN_PATH,EVAL_PATH")):
+                       ("a,b,c", "a,b,c: 3 comma-separated paths; expected PATH or TRAIN_PATH,EVAL_PATH")):
         for flag, read in (("--sft_only_data_path", lambda: check_data_paths(["tiny"], [spec])),
                            ("--pairs_file", lambda: load_records(spec, flag="--pairs_file"))):
             with pytest.raises(UsageError) as error:
                 read()
             assert re.match(rf"{flag} {said}", str(error.value)), (flag, spec, str(error.value))
+
+
+def test_a_data_spec_lacking_a_path_says_it_as_typed_and_what_it_lacks():
+    """``--data_path jsonl:`` was said as "--data_path : expected PATH or TRAIN_PATH,EVAL_PATH": the spec's empty part
+    after jsonl: alone, though the user typed jsonl:. The spec is said as typed, and the path it lacks."""
+    from dschat.data.raw_datasets import check_data_paths
+
+    for spec, said in (("jsonl:", "'jsonl:': no path after jsonl:; expected jsonl:PATH or jsonl:TRAIN_PATH,EVAL_PATH"),
+                       ("", "'': no path; expected PATH or TRAIN_PATH,EVAL_PATH"),
+                       ("jsonl:a.jsonl,", "jsonl:a.jsonl,: no eval path after the comma; expected jsonl:PATH or "
+                                          "jsonl:TRAIN_PATH,EVAL_PATH"),
+                       ("csv:,b.csv", "csv:,b.csv: no train path before the comma; expected csv:PATH or "
+                                      "csv:TRAIN_PATH,EVAL_PATH"),
+                       ("jsonl:a,b,c", "jsonl:a,b,c: 3 comma-separated paths; expected jsonl:PATH or "
+                                       "jsonl:TRAIN_PATH,EVAL_PATH")):
+        with pytest.raises(UsageError) as error:
+            check_data_paths([spec])
+        assert str(error.value) == f"--data_path {said}", spec
 
 
 def test_bad_data_paths_are_usage_errors(tmp_path, monkeypatch):

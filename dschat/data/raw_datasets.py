@@ -315,7 +315,7 @@ def anchored_spec(spec, folder):
         kind = kind.lower()
         if not (sep and kind in LOCAL_TYPES):
             kind, rest = None, spec
-        paths = [part.strip() for part in rest.split(",")] if kind is None else _split_paths(rest)
+        paths = [part.strip() for part in rest.split(",")] if kind is None else _split_paths(rest, spec=spec)
     anchored = [path_under(folder, path) for path in paths]
     if None in anchored:
         return spec

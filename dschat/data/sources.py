@@ -168,12 +168,29 @@ def unexpanded_home_note(spec, path):
     return ""
 
 
-def _split_paths(text, flag=None):
+def _split_paths(text, flag=None, spec=None):
+    """The one or two paths (TRAIN_PATH,EVAL_PATH) of ``text``: the data ``spec``'s after its TYPE: (all of it where
+    ``spec`` is None). A UsageError names the spec as typed (``flag``'s) and the path it lacks: ``--data_path jsonl:``
+    was said as "--data_path : expected PATH or ...", its empty part after TYPE: alone."""
+    spec = text if spec is None else spec
     paths = [part.strip() for part in text.split(",")]
     if len(paths) > 2 or not all(paths):
-        said = given_as(flag, text) if flag else f"local data spec {text!r}"
-        raise UsageError(f"{said}: expected PATH or TRAIN_PATH,EVAL_PATH")
+        prefix = spec[:len(spec) - len(text)]  # (the spec's "jsonl:", or "")
+        # (quoted where blank or ending in ":": it read as "--data_path : ..." or "--data_path jsonl:: ...")
+        shown = spec if spec.strip() and not spec.rstrip().endswith(":") else repr(spec)
+        said = given_as(flag, shown) if flag else f"local data spec {spec!r}"
+        raise UsageError(f"{said}: {_paths_lacking(paths, prefix)}; expected {prefix}PATH or "
+                         f"{prefix}TRAIN_PATH,EVAL_PATH")
     return paths
+
+
+def _paths_lacking(paths, prefix):
+    """What the split ``paths`` of a data spec (``_split_paths``) lack, in words: ``prefix`` is its TYPE:, or ""."""
+    if len(paths) > 2:
+        return f"{len(paths)} comma-separated paths"
+    if not any(paths):
+        return f"no path after {prefix}" if prefix else "no path"
+    return "no train path before the comma" if not paths[0] else "no eval path after the comma"
 
 
 def _infer_kind(path, where):
@@ -218,7 +235,7 @@ def _typed_source(kind, paths_text, spec, flag):
 
 
 def _source_of_paths(kind, paths_text, spec, flag):
-    paths = _split_paths(paths_text, flag)
+    paths = _split_paths(paths_text, flag, spec)
     for path in paths:
         if not os.path.exists(path):
             raise missing_data_path(spec, path, flag)
