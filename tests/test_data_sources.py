@@ -2659,6 +2659,28 @@ def test_names_match_exactly(tmp_path, name, monkeypatch):
     assert "Dahoas/rm-static" in str(err.value) and "jsonl:PATH" in str(err.value)
 
 
+def test_a_name_close_to_a_known_one_is_told_it_without_the_hub(tmp_path, monkeypatch):
+    """--data_path Dahoas/rm-statik listed every known name but did not say which was meant. A close spelling is told
+    the known name (a case or separator slip too), by its spelling alone: with no network it is said the same; a name
+    close to none is told none."""
+    import socket
+
+    from dschat.data.raw_datasets import check_data_paths
+
+    def no_network(*args, **kwargs):
+        raise OSError("no network in this test")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    for name, meant in (("Dahoas/rm-statik", "Dahoas/rm-static"), ("dahoas/rm-static", "Dahoas/rm-static"),
+                        ("Anthropic/hh_rlhf", "Anthropic/hh-rlhf"), ("tiny2", "tiny")):
+        with pytest.raises(UsageError, match=rf"^--data_path: unknown dataset '{name}' \(did you mean {meant}\?\): "
+                                             "not a known name"):
+            check_data_paths([name])
+    with pytest.raises(UsageError, match=r"^--data_path: unknown dataset 'acme/pairs': not a known name"):
+        check_data_paths(["acme/pairs"])
+
+
 def test_known_names_dispatch_to_their_adapter(tmp_path, monkeypatch):
     monkeypatch.setattr(DahoasRmstaticDataset, "load", lambda self: DatasetDict({"train": Dataset.from_list([])}))
     assert type(raw("Dahoas/rm-static", tmp_path)) is DahoasRmstaticDataset

@@ -273,12 +273,18 @@ def known_dataset_names():
 
 
 def unknown_dataset_error(dataset_name, flag="--data_path"):
-    """A UsageError: a mistyped --data_path (``flag``) ends in "error: ..." and exit status 2, not a traceback."""
+    """A UsageError: a mistyped --data_path (``flag``) ends in "error: ..." and exit status 2, not a traceback. A name
+    close to a known one is told it (Dahoas/rm-statik listed every name, the one meant among them), by its spelling
+    alone: no hub is asked."""
+    from dschat.args import close_flags  # (the spellings an unknown flag may have meant: the same test of names)
+
+    meant = close_flags(dataset_name, known_dataset_names())
+    hint = f" (did you mean {' or '.join(meant)}?)" if meant else ""
     return UsageError(
-        f"{f'{flag}: ' if flag else ''}unknown dataset {dataset_name!r}: not a known name and not an existing local "
-        f"path. Known names (matched exactly): {', '.join(known_dataset_names())}. Local data: jsonl:PATH, json:PATH, "
-        "parquet:PATH, csv:PATH, disk:PATH (a save_to_disk folder), or an existing .jsonl/.json/.parquet/.csv "
-        "file or folder; 'TRAIN,EVAL' gives an explicit eval file.")
+        f"{f'{flag}: ' if flag else ''}unknown dataset {dataset_name!r}{hint}: not a known name and not an existing "
+        f"local path. Known names (matched exactly): {', '.join(known_dataset_names())}. Local data: jsonl:PATH, "
+        "json:PATH, parquet:PATH, csv:PATH, disk:PATH (a save_to_disk folder), or an existing "
+        ".jsonl/.json/.parquet/.csv file or folder; 'TRAIN,EVAL' gives an explicit eval file.")
 
 
 def resolve_dataset_spec(dataset_name, flag="--data_path"):
