@@ -750,8 +750,8 @@ def test_a_folders_zipped_train_file_is_told_a_command_that_writes_beside_it(tmp
     elsewhere.mkdir()
     with zipfile.ZipFile(folder / "train.csv.zip", "w") as archive:
         archive.writestr("train.csv", pd.DataFrame(RECORDS).to_csv(index=False))
-    said = r"its train data train\.csv\.zip is compressed with zip, which dschat does not read: decompress its files " \
-           r"\((.*)\) and give the folder again"
+    said = r"its train data train\.csv\.zip: the file is compressed with zip, which dschat does not read here .*: " \
+           r"write its plain files \((.*)\) and give the folder again"
     with pytest.raises(DatasetFormatError, match=said) as error:
         raw(str(folder), tmp_path)
     subprocess.run(re.search(said, str(error.value)).group(1), shell=True, check=True, cwd=elsewhere,
@@ -902,11 +902,35 @@ def test_a_subset_folder_of_a_hub_download_in_gzip_jsonl_is_read_and_other_compr
     for name in ("train.csv.gz", "test.csv.gz"):
         (packed / name).write_bytes(gzip.compress(pd.DataFrame(RECORDS).to_csv(index=False).encode()))
     for spec in (str(packed), f"csv:{packed}"):
-        with pytest.raises(DatasetFormatError, match=r"packed: its train data train.csv.gz is compressed with gzip, "
-                                                     r"which dschat does not read: decompress its files \(gunzip -k "
-                                                     r".*train.csv.gz && gunzip -k .*test.csv.gz\) and give the "
-                                                     r"folder again"):
+        with pytest.raises(DatasetFormatError, match=r"packed: its train data train.csv.gz: the file is compressed "
+                                                     r"with gzip, which dschat does not read here .*: write its plain "
+                                                     r"files \(gunzip -k .*train.csv.gz && gunzip -k .*test.csv.gz\) "
+                                                     r"and give the folder again"):
             raw(spec, tmp_path)
+
+
+def test_a_folders_compressed_train_file_is_said_in_the_words_of_the_file_given_by_its_path(tmp_path):
+    """A folder whose train.csv.gz holds xz was told "its train data train.csv.gz is compressed with xz, which dschat
+    does not read: decompress its files (...)", worded apart from the same file given by its path ("the file is
+    compressed with xz, which dschat does not read here (it reads JSON and JSON Lines compressed ..., named so:
+    x.jsonl.gz): decompress it (...)"). The folder's error says the file's words, then the commands for all its
+    files."""
+    import lzma
+
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    for name, records in (("train.csv.gz", RECORDS[:15]), ("test.csv.gz", RECORDS[15:])):
+        (folder / name).write_bytes(lzma.compress(pd.DataFrame(records).to_csv(index=False).encode()))
+    with pytest.raises(DatasetFormatError) as file_error:
+        raw(str(folder / "train.csv.gz"), tmp_path)
+    with pytest.raises(DatasetFormatError) as folder_error:
+        raw(str(folder), tmp_path)
+    file_words = re.search(r": (the file is compressed with xz, which .*\)): decompress it", str(file_error.value))
+    assert file_words, str(file_error.value)
+    said = str(folder_error.value)
+    assert said.startswith(f"--data_path {folder}: its train data train.csv.gz: {file_words.group(1)}: write its "
+                           "plain files ("), said
+    assert said.endswith("test.csv.xz) and give the folder again"), said
 
 
 def test_a_compressed_folders_files_are_told_by_their_bytes_not_their_names(tmp_path):
@@ -921,8 +945,8 @@ def test_a_compressed_folders_files_are_told_by_their_bytes_not_their_names(tmp_
     train_text, test_text = (pd.DataFrame(part).to_csv(index=False) for part in (RECORDS[:15], RECORDS[15:]))
     for train_bytes, test_bytes, said in (
             (lzma.compress(train_text.encode()), test_text.encode(),
-             r"packed: its train data train.csv.gz is compressed with xz, which dschat does not read: decompress its "
-             r"files \((.*)\) and give the folder again$"),
+             r"packed: its train data train.csv.gz: the file is compressed with xz, which dschat does not read here "
+             r".*\): write its plain files \((.*)\) and give the folder again$"),
             (train_text.encode(), gzip.compress(test_text.encode()),
              r"packed: its train data train.csv.gz: not gzip data, though its name says it is: write its plain "
              r"files \((.*)\) and give the folder again$")):
@@ -2748,8 +2772,8 @@ def test_a_data_path_of_unreadable_form_is_said_with_the_flag_that_gave_it(tmp_p
                        ("notes.txt,empty", "notes.txt,empty: notes.txt: cannot tell the format"),
                        ("both", "both: the folder holds train.jsonl and train.json"),
                        ("train.csv.gz", "train.csv.gz: the file is compressed with gzip"),
-                       ("packed", "packed: its train data train.csv.gz is compressed with gzip"),
-                       ("csv:packed", "csv:packed: packed: its train data train.csv.gz is compressed"),
+                       ("packed", "packed: its train data train.csv.gz: the file is compressed with gzip"),
+                       ("csv:packed", "csv:packed: packed: its train data train.csv.gz: the file is compressed"),
                        ("prefs", "prefs: the folder holds a hub dataset's files of the split train_prefs, not train"),
                        ("jsonl:hub", "jsonl:hub: the folder's train data is"),
                        ("evals", "evals: the folder holds eval.jsonl and eval.json"),

@@ -408,11 +408,12 @@ def _is_json_lines(text):
     return first == "{" and "\n" in text.strip()
 
 
-def compressed_error(path, tool, where=None, kind=None):
+def compressed_error(path, tool, where=None, kind=None, plain_fix=None):
     """The error for a data file compressed with ``tool`` that dschat does not read so: a JSON or JSON Lines file
     (``kind``) compressed with gzip, bzip2 or xz is, where its name says so (x.jsonl.gz): the name to give it (``gunzip
-    -k x.jsonl`` would refuse it for its name); another is to be decompressed. ``where``: how the error names ``path``
-    (``data_spec_where``: with the flag that gave it), else by itself."""
+    -k x.jsonl`` would refuse it for its name); another is to be decompressed (or ``plain_fix``: a folder's, the
+    commands that write all its plain files). ``where``: how the error names ``path`` (``data_spec_where``: with the
+    flag that gave it), else by itself."""
     extension = PACKED_JSON_EXTENSIONS.get(tool)
     if extension and kind in ("json", "jsonl"):
         return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which its name does not say: "
@@ -420,7 +421,8 @@ def compressed_error(path, tool, where=None, kind=None):
                                   "and it is read decompressed")
     return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read here "
                               "(it reads JSON and JSON Lines compressed with gzip, bzip2 or xz, named so: x.jsonl.gz): "
-                              f"decompress it ({decompress_command(path, tool)}) and give the file that writes")
+                              + (plain_fix or f"decompress it ({decompress_command(path, tool)}) and give the file "
+                                               "that writes"))
 
 
 def decompress_command(path, tool):
@@ -471,14 +473,13 @@ def check_folder_not_compressed(folder, where=None):
     # each told by its bytes, not its name: train.csv.gz of xz, or plain text, was told `gunzip -k`, which refuses it
     held = {path: held_compression(path, COMPRESSED_EXTENSIONS[os.path.splitext(path)[1]]) for path in paths}
     commands = " && ".join(plain_file_command(path, held[path]) for path in paths)
-    named = COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]
-    if held[train] is None:  # (a file's own message, with the commands for all the folder's files)
-        raise misnamed_compressed_error(train, named, None, f"{where or folder}: its train data "
-                                        f"{os.path.basename(train)}", plain_fix=f"write its plain files ({commands}) "
-                                        "and give the folder again")
-    raise DatasetFormatError(f"{where or folder}: its train data {os.path.basename(train)} is compressed with "
-                             f"{held[train]}, which dschat does not read: decompress its files ({commands}) and give "
-                             "the folder again")
+    # (the train file's own message, with the commands for all the folder's files)
+    train_where = f"{where or folder}: its train data {os.path.basename(train)}"
+    plain_fix = f"write its plain files ({commands}) and give the folder again"
+    if held[train] is None:
+        named = COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]
+        raise misnamed_compressed_error(train, named, None, train_where, plain_fix=plain_fix)
+    raise compressed_error(train, held[train], train_where, plain_fix=plain_fix)
 
 
 def compressed_with(path, head=None):
