@@ -674,7 +674,8 @@ def load_file(kind, path):
     if kind in ("json", "jsonl"):
         record_lines, hashed = checked_json(kind, path, key_orders, hashed)
     elif kind == "csv":
-        header, record_lines = csv_record_lines(path, hashed.head)
+        header, record_lines, read_stamp = csv_record_lines(path, hashed.head)
+        hashed = _hashed_as_read(path, hashed, read_stamp)
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[kind]
     # (datasets would fail with its own wording; a CSV's rows are counted where the csv module could not read it)
     if (record_lines is not None and not record_lines) or (record_lines is None and _table_rows(kind, path) == 0):
@@ -757,17 +758,19 @@ def check_separated_by_commas(path, header):
 
 
 def csv_record_lines(path, head=None):
-    """(the header's cells, the lines (1-based) where its records start) of a CSV file, read once, as pandas reads
-    them: after the header, a quoted cell may span lines, blank lines (and lines of spaces alone) are skipped, before
-    the header too. The header is checked as soon as it is read (``check_csv_header``); a row that repeats it, or a
-    record with more cells than it, is an error (``check_not_a_header``, ``check_no_extra_cells``). The lines are None,
-    and the header where it was not reached, if the csv module cannot read the file (the loader says why). ``head``:
-    the file's first bytes where read already (``HashedFile.head``: its encoding told by them, ``text_encoding``)."""
+    """(the header's cells, the lines (1-based) where its records start, the file's stamp after the read) of a CSV
+    file, read once, as pandas reads them: after the header, a quoted cell may span lines, blank lines (and lines of
+    spaces alone) are skipped, before the header too. The header is checked as soon as it is read
+    (``check_csv_header``); a row that repeats it, or a record with more cells than it, is an error
+    (``check_not_a_header``, ``check_no_extra_cells``). The lines are None, and the header where it was not reached, if
+    the csv module cannot read the file (the loader says why). ``head``: the file's first bytes where read already
+    (``HashedFile.head``: its encoding told by them, ``text_encoding``). The stamp (``FileStamp``, of the file open:
+    no stat more) tells a write since the file was hashed (``_hashed_as_read``)."""
     import csv
 
     starts, start, header = [], 1, None
-    try:
-        with open(path, newline="", encoding=text_encoding(path, head)) as f:
+    with open(path, newline="", encoding=text_encoding(path, head)) as f:
+        try:
             lines = _LastLineRead(f)
             reader = csv.reader(lines, **CSV_SPACING)
             for row in reader:
@@ -780,9 +783,20 @@ def csv_record_lines(path, head=None):
                         check_not_a_header(path, start, row, header)
                         check_no_extra_cells(path, start, row, header)
                 start = reader.line_num + 1
-    except (UnicodeDecodeError, csv.Error):
-        return header, None
-    return header, starts[1:]
+        except (UnicodeDecodeError, csv.Error):
+            starts = None
+        stamp = _stat_stamp(os.fstat(f.fileno()))
+    return header, None if starts is None else starts[1:], stamp
+
+
+def _hashed_as_read(path, hashed, read_stamp):
+    """``hashed`` (the file's HashedFile, found before it was read), or where the file's stamp when read
+    (``read_stamp``) is another (written since), its hash found again: the load's Arrow cache is keyed by it
+    (``load_content_keyed``), and keyed by the hash found before the read, it cached the new content under the old
+    content's name. (A hub blob, hashed by its name, has no stamp: its hash is its name's.)"""
+    if hashed.stamp is None or read_stamp == hashed.stamp:
+        return hashed
+    return file_digest_and_stamp(path)
 
 
 class _LastLineRead:
