@@ -408,6 +408,16 @@ def test_an_unsupervised_text_file_that_is_not_utf8_names_its_line(tmp_path, tok
         get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
 
 
+def test_an_unsupervised_utf16_text_file_is_told_it_is_not_utf8(tmp_path, tokenizer):
+    """A UTF-16 .txt without a byte-order mark decoded as UTF-8: its documents were trained on with a NUL after each
+    character. It is told by the NUL bytes among its first bytes, named once."""
+    path = tmp_path / "wide.txt"
+    path.write_bytes("first document\nsecond document\n".encode("utf-16-le"))
+    with pytest.raises(DatasetFormatError, match=rf"^{path}: not UTF-8 text \(a NUL byte among its first 10 bytes: "
+                                                 r"UTF-16\?\); save the file as UTF-8$"):
+        get_unsupervised_data(unsupervised_args(str(path)), tokenizer)
+
+
 def test_a_compressed_unsupervised_text_file_that_is_not_utf8_says_so_not_the_compressed_bytes(tmp_path, tokenizer):
     """datasets unpacks a gzip text file; one holding Latin-1 text was "line 1: not UTF-8 text (byte 0x8b at column
     2)", the gzip header's byte, read from the file as it is on disk."""

@@ -1901,6 +1901,21 @@ def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path):
         raw(f"csv:{tmp_path / 'latin1.csv'}", tmp_path)  # (pandas' error named a byte offset, no line)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16"])
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
+def test_a_utf16_file_is_told_it_is_not_utf8(tmp_path, kind, encoding):
+    """A UTF-16 file without a byte-order mark decoded as UTF-8 (ASCII with a NUL after each character): a JSON file
+    was "invalid JSON (... at column 2)", a CSV "Field "" does not exist in schema". With a mark or without, it is told
+    by the NUL bytes among its first bytes."""
+    text = {"jsonl": "".join(json.dumps(r) + "\n" for r in RECORDS[:2]), "json": json.dumps(RECORDS[:2]),
+            "csv": "prompt,chosen,rejected\nHi,yes,no\n"}[kind]
+    path = tmp_path / f"wide.{kind}"
+    path.write_bytes(text.encode(encoding))
+    with pytest.raises(DatasetFormatError, match=r"wide\.\w+: not UTF-8 text \(a NUL byte among its first 10 bytes: "
+                                                 r"UTF-16\?\); save the file as UTF-8"):
+        raw(f"{kind}:{path}", tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
 def test_a_utf8_byte_order_mark_is_not_part_of_the_first_record(tmp_path, kind):
     # Windows editors save UTF-8 with a BOM; JSON's parser refused the first line (CSV: pandas drops it, kept as a guard)

@@ -157,11 +157,24 @@ def plain_file_command(path, held):
 def text_encoding(path, head=None):
     """"utf-8-sig" for a file whose text starts with a UTF-8 byte-order mark (Windows editors write one), else
     "utf-8": the mark is not part of the first record. (A compressed file's text: ``open_data_file``.) ``head``: the
-    file's first bytes where read already (``HashedFile.head``): a file not named compressed, its text's."""
+    file's first bytes where read already (``HashedFile.head``): a file not named compressed, its text's. Text of
+    another encoding told by them is an error (``check_not_utf16``)."""
     if head is None or data_file_extensions(path)[1]:
         with open_data_file(path) as f:
-            head = f.read(3)
+            head = f.read(HEAD_BYTES)
+    check_not_utf16(path, head)
     return "utf-8-sig" if head.startswith(b"\xef\xbb\xbf") else "utf-8"
+
+
+def check_not_utf16(path, head):
+    """A text file whose first bytes (``head``) hold a NUL byte is an error saying it is not UTF-8 (UTF-16, as
+    PowerShell's ``>`` and Excel's "Unicode Text" save; UTF-32): no JSON, CSV or document's text starts with one.
+    Without a byte-order mark, its ASCII decoded as UTF-8 with a NUL after each character: a JSON file was "invalid
+    JSON (Expecting property name ... at column 2)", a CSV "Field "" does not exist in schema", and a document's text
+    was trained on with its NULs."""
+    if b"\x00" in head:
+        raise DatasetFormatError(f"{path}: not UTF-8 text (a NUL byte among its first {len(head)} bytes: UTF-16?); "
+                                 "save the file as UTF-8")
 
 
 def holds_no_bytes(path):

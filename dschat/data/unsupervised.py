@@ -222,8 +222,9 @@ def named_by_the_flag(name, path):
 
 def _text_file_lines(path):
     """(Dataset of a text file's lines as its "text" column, None: no record lines to say)."""
+    encoding = text_encoding(path)  # (its own error, outside the one below that says the load's)
     try:
-        return _without_line_start_marks(load_content_keyed("text", path, encoding=text_encoding(path))), None
+        return _without_line_start_marks(load_content_keyed("text", path, encoding=encoding)), None
     except Exception as err:  # name the file; pyarrow's messages do not
         if caused_by(err, UnicodeDecodeError):  # (datasets says only "An error occurred while generating the dataset")
             tool = compressed_with(path)  # (datasets unpacks a compressed text file: its bytes are not the text's)
