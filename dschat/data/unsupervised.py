@@ -383,7 +383,7 @@ def _saved_train_split(folder):
 
 
 def _local_text_source(name):
-    """(kind: "text" or one of local.LOCAL_TYPES, path) for "TYPE:PATH" or a .txt/.jsonl/.json/.csv/.parquet path, also
+    """(kind: "text" or one of fields.LOCAL_TYPES, path) for "TYPE:PATH" or a .txt/.jsonl/.json/.csv/.parquet path, also
     compressed (corpus.txt.gz; one not there: MissingInputError); None for hub names and save_to_disk folders."""
     kind, sep, rest = name.partition(":")
     if sep and kind.lower() in LOCAL_TEXT_TYPES:  # (TXT:path too)
