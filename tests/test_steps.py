@@ -1504,6 +1504,30 @@ def test_a_model_folder_that_is_not_there_is_an_error_naming_the_flag(tmp_path, 
     assert not (tmp_path / "out").exists(), "no step may have run"
 
 
+def test_a_reward_model_given_as_a_steps_policy_is_an_error_naming_the_flag_before_the_data_loads(
+        tmp_path, distributed, monkeypatch):
+    """A reward model as step 1's or DPO's --model_name_or_path, or step 3's --actor_model_name_or_path, was refused
+    without its flag (as train.py's --actor-model and chat.py's --path name theirs), and step 3 said it only after it
+    had loaded its prompts."""
+    from dschat.errors import UsageError
+    from dschat.models.checkpoint import save_reward_model
+    from dschat.models.loading import load_tokenizer, resolve_model_path
+    from dschat.models.reward_model import create_critic_model
+    from dschat.steps import ppo
+
+    rm = str(tmp_path / "rm")
+    save_reward_model(create_critic_model(resolve_model_path("tiny-llama"), None), load_tokenizer("tiny-llama"), rm)
+    monkeypatch.setattr(common, "load_step_data", lambda *a, **k: pytest.fail("the data loaded first"))
+    monkeypatch.setattr(ppo, "prompt_loaders", lambda *a, **k: pytest.fail("the prompts loaded first"))
+    said = f" {re.escape(rm)}: a reward model or critic \\(a value-head model\\), not a policy"
+    for step in (sft, dpo):
+        with pytest.raises(UsageError, match=f"^--model_name_or_path{said}"):
+            step.main(["--model_name_or_path", rm, "--output_dir", str(tmp_path / "out"), *SFT_FAST])
+    with pytest.raises(UsageError, match=f"^--actor_model_name_or_path{said}"):
+        ppo.main(["--actor_model_name_or_path", rm, "--critic_model_name_or_path", rm,
+                  "--output_dir", str(tmp_path / "out")])
+
+
 def test_a_mistyped_step_folder_of_a_run_here_is_local_and_names_the_folder_meant(tmp_path, monkeypatch):
     """"out/step1_sfft" beside out/step1_sft is a typo of a folder, not the hub model "step1_sfft" of an organisation
     "out": one error at once (it was a hub lookup's retries, then transformers' error, from the notebook engine)."""

@@ -121,10 +121,10 @@ def resolve_zero_stages(args):
 def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_path=None):
     """A model path left at its default (an earlier step's output folder) that does not exist fails here, naming the
     step that writes it, and a local path that is not there names its flag: before any data or model loads, instead
-    of as a hub lookup of "output/step2_rm" after the actor has loaded. The paths: the flags', or those a notebook
-    gave ``DeepSpeedRLHFEngine``."""
+    of as a hub lookup of "output/step2_rm" after the actor has loaded; an actor that is a reward model is refused
+    naming its flag too. The paths: the flags', or those a notebook gave ``DeepSpeedRLHFEngine``."""
     from dschat.args import step3_parser
-    from dschat.models.loading import check_model_path
+    from dschat.models.loading import check_model_path, check_not_a_reward_model
 
     parser = step3_parser()
     paths = {"actor_model_name_or_path": actor_path or args.actor_model_name_or_path,
@@ -141,6 +141,8 @@ def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_p
         path = paths[flag]
         if path != parser.get_default(flag) or os.path.isdir(path):
             check_model_path(path, f"--{flag}")
+            if role == "the actor":  # (else refused by the actor's loading, after the prompts had loaded)
+                check_not_a_reward_model(path, f"--{flag}")
             continue
         hint = ""
         if role == "the reward model":

@@ -1319,6 +1319,9 @@ class StepRecipe:
     save_fn: Callable  # (engine, tokenizer, output_dir) -> None
     rows_per_record: int = 1  # a batch's rows per record: 2 for preference pairs (chosen rows, then rejected)
     reads_margins: bool = False  # phase 2: its loss subtracts each pair's margin (step 2's; DPO's reads none)
+    # --model_name_or_path is a policy (steps 1 and DPO), refused as a reward model before the data loads; step 2's
+    # reward model may start from any model
+    trains_policy: bool = True
     # (batch) -> the tokens loss_fn's mean is over (step 1's labelled ones; DPO's RPO NLL term's chosen answer tokens,
     # its loss a ``RecordAndTokenMeans``): --loss_agg global_token_mean weighs them alike over each optimizer step's
     # micro-batches and ranks (``step_loss_tokens``); None: a loss of records that all weigh alike (step 2's and plain
@@ -1441,7 +1444,8 @@ def run_supervised_step(args, recipe):
 def _train_evaluate_save(args, recipe):
     from dschat.args import (resolve_pad_to_multiple_of, step1_parser, supervised_conditional_flags,
                              unread_conditional_flags)
-    from dschat.models.loading import check_model_path, check_sequence_fits, load_tokenizer
+    from dschat.models.loading import (check_model_path, check_not_a_reward_model, check_sequence_fits,
+                                       load_tokenizer)
     from dschat.steps.resume import (STEP_NAME, check_resumed_step, plan_resume, resume_or_start,
                                      save_step_checkpoint)
 
@@ -1456,6 +1460,8 @@ def _train_evaluate_save(args, recipe):
     check_output_dir(args.output_dir, device)
     check_resumed_step(args, recipe.name)  # (another step's checkpoint: refused before the models load)
     check_model_path(args.model_name_or_path, "--model_name_or_path")
+    if recipe.trains_policy:
+        check_not_a_reward_model(args.model_name_or_path, "--model_name_or_path")
     tokenizer = load_tokenizer(args.model_name_or_path, add_eot_token=args.add_eot_token,
                                eot_token=args.eot_token)
     model = recipe.build_model(args, tokenizer, ds_config)

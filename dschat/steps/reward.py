@@ -54,7 +54,7 @@ def evaluate_reward(engine, eval_loader, device):
 
 REWARD = StepRecipe(name="step2", phase=2, build_model=build_reward_model, collator=reward_collator,
                     loss_fn=pairwise_step_loss, evaluate_fn=evaluate_reward, save_fn=save_reward_model,
-                    rows_per_record=2, reads_margins=True)
+                    rows_per_record=2, reads_margins=True, trains_policy=False)
 
 
 def main(args=None):
