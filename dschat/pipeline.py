@@ -14,8 +14,8 @@ from dschat.errors import MissingInputError, UsageError
 from dschat.models.loading import resolve_model_path
 from dschat.pipeline_resume import (FRESH, RESUME, SKIP, Decision, describe, outdated_outputs, plan_steps,
                                     refused_under_train_py)
-from dschat.run_layout import (DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR, RUN_ARGS_FILE, SFT_DIR,
-                               unfinished_reason)
+from dschat.run_layout import (ACTOR_DIR, ACTOR_EMA_DIR, DPO_DIR, PPO_DIR, RECIPE_STEP_FOLDERS, REPORT_FILE, RM_DIR,
+                               RUN_ARGS_FILE, SFT_DIR, unfinished_reason)
 from dschat.utils.dist import ensure_distributed, is_rank_0, local_device, print_rank_0, rank_0_decides
 from dschat.utils.files import check_writable_folder
 
@@ -744,9 +744,28 @@ def _other_ways(step, producer, args):
 
     said = ", or give --reward-model a trained reward model folder to score with"
     named = args.reward_model != args.actor_model and not is_tiny_preset(args.reward_model)
-    if named and not os.path.exists(args.reward_model):
-        said += f" (--reward-model {args.reward_model} {NOT_A_HUB_REWARD_MODEL})"
+    if named:  # (the folder the user gave is no reward model: said what it is)
+        what = no_reward_model_said(args.reward_model) if os.path.exists(args.reward_model) else NOT_A_HUB_REWARD_MODEL
+        said += f" (--reward-model {args.reward_model} {what})"
     return said
+
+
+# step 3's policies, by the step that saved them (its training_args.json's "step")
+POLICY_OUTPUTS = {"step1": "step 1's output, an SFT policy", "step2_dpo": "DPO's output, a policy",
+                  "step3": "step 3's actor, a policy"}
+
+
+def no_reward_model_said(path):
+    """What the folder ``path``, given as --reward-model but no trained reward model, is: a step's policy (step 1's,
+    DPO's, step 3's actor) named as such, which a user may give believing it scores."""
+    from dschat.steps.common import read_run_args
+
+    folder = os.path.abspath(path)
+    record = read_run_args(folder) or (read_run_args(os.path.dirname(folder), "step3")
+                                       if os.path.basename(folder) in (ACTOR_DIR, ACTOR_EMA_DIR) else None)
+    policy = POLICY_OUTPUTS.get((record or {}).get("step"))
+    return f"is {policy}, no trained reward model (no value head)" if policy else \
+        "is no trained reward model (no value head)"
 
 
 # (said of a --reward-model that is no folder here)
@@ -788,7 +807,7 @@ def check_model_folders(steps, args):
         if named and 3 in steps:
             check_model_path(args.reward_model, "--reward-model")
             if not ready_reward_model(args):
-                why = "is no trained reward model (no value head)" if os.path.exists(args.reward_model) else \
+                why = no_reward_model_said(args.reward_model) if os.path.exists(args.reward_model) else \
                     NOT_A_HUB_REWARD_MODEL
                 raise UsageError(f"--reward-model {args.reward_model} {why}, and --recipe grpo has no step 2 to train "
                                  "one: give a trained one (a folder or a hub name), or leave it out to reward with "
@@ -799,7 +818,7 @@ def check_model_folders(steps, args):
     elif 3 in steps and args.reward_model != args.actor_model:  # (a tiny preset too: untrained, it is said)
         check_model_path(args.reward_model, "--reward-model")  # (a mistyped folder would leave step 2's in use)
         if not ready_reward_model(args):  # DeepSpeed-Chat's train.py --step 3 with the full run's flags
-            print_rank_0(f"--reward-model {args.reward_model} is no trained reward model (no value head): "
+            print_rank_0(f"--reward-model {args.reward_model} {no_reward_model_said(args.reward_model)}: "
                          f"step 3 scores with {os.path.join(args.output_dir, RM_DIR)}, step 2's output")
 
 

@@ -1118,8 +1118,8 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
     # a --reward-model that is no trained reward model: said, and step 3 scores with step 2's output
     pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                                      str(out / "step1_sft")))
-    assert f"--reward-model {out / 'step1_sft'} is no trained reward model (no value head): step 3 scores " \
-           f"with {out / 'step2_rm'}, step 2's output" in capsys.readouterr().out
+    assert f"--reward-model {out / 'step1_sft'} is step 1's output, an SFT policy, no trained reward model (no value " \
+           f"head): step 3 scores with {out / 'step2_rm'}, step 2's output" in capsys.readouterr().out
     with pytest.raises(MissingInputError, match="--reward-model .*typo"):  # a mistyped folder: not step 2's instead
         pipeline.check_model_folders([3], _train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                                          str(tmp_path / "typo")))
@@ -1143,6 +1143,34 @@ def test_train_py_step_3_scores_with_a_trained_reward_model_given_as_reward_mode
                                                 r"of that name in the Hugging Face hub cache, and HF_HUB_OFFLINE"):
         pipeline.run_pipeline(_train_py_args("--output-dir", str(out), "--step", "3", "--reward-model",
                                              "Skywork/Reward-8B"))
+
+
+def test_train_py_says_what_a_reward_model_given_that_is_a_policy_is(tmp_path, distributed, capsys):
+    """train.py --step 1 3 --reward-model <step 1's output> ended in "step 3 reads OUT/step2_rm ..., or give
+    --reward-model a trained reward model folder": the user had given one, and was not told it is a policy."""
+    import shutil
+
+    from dschat import pipeline
+    from dschat.errors import MissingInputError
+    from dschat.models.loading import resolve_model_path
+
+    sft_out, step3_out, out = tmp_path / "step1_sft", tmp_path / "step3_ppo", tmp_path / "out"
+    shutil.copytree(resolve_model_path("tiny-llama"), sft_out)
+    shutil.copytree(resolve_model_path("tiny-llama"), step3_out / "actor")
+    for folder, step in ((sft_out, "step1"), (step3_out, "step3")):
+        (folder / "training_args.json").write_text(json.dumps({"step": step, "flags": {}}))
+        (folder / "metrics.json").write_text("{}")
+    with pytest.raises(MissingInputError, match=r"or give --reward-model a trained reward model folder to score with "
+                                                rf"\(--reward-model {re.escape(str(sft_out))} is step 1's output, an "
+                                                r"SFT policy, no trained reward model \(no value head\)\)$"):
+        pipeline.run_pipeline(_train_py_args("--step", "1", "3", "--reward-model", str(sft_out),
+                                             "--output-dir", str(out)))
+    assert not out.exists(), "no step may have run"
+    capsys.readouterr()
+    pipeline.check_model_folders([3], _train_py_args("--step", "3", "--reward-model", str(step3_out / "actor"),
+                                                     "--output-dir", str(out)))
+    assert f"--reward-model {step3_out / 'actor'} is step 3's actor, a policy, no trained reward model (no value " \
+           f"head): step 3 scores with {out / 'step2_rm'}" in capsys.readouterr().out
 
 
 def _save_tiny_sequence_classifier(folder):
