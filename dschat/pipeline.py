@@ -360,9 +360,12 @@ def flag_in_message(dest, argv):
 def says_train_py_flags(step, args, argv=None):
     """Run ``step``'s code (its checks, or the step itself in train.py's process; ``argv``: its command line, once
     built): a UsageError it raises names the flags the user gave train.py as train.py spells them
-    (``in_train_py_spelling``); its type and traceback kept."""
+    (``in_train_py_spelling``); its type and traceback kept. Its notices (``say_once``'s) are spelled so too."""
+    from dschat.utils.cli import notices_spelled
+
     try:
-        yield
+        with notices_spelled(lambda notice: in_train_py_spelling(notice, step, args, argv)):
+            yield
     except UsageError as error:
         error.args = (in_train_py_spelling(str(error), step, args, argv), *error.args[1:])
         raise
@@ -960,9 +963,14 @@ def say_recipe_notes(args, recipe, steps, tiny, ready):
                      "batch sizes and learning rates) applies to your --data-path too; --stepN-args flags replace its "
                      "values (e.g. --step3-args \"--per_device_generation_batch_size 4\" for few prompts)")
     if ready:
-        print_rank_0(f"--reward-model {ready} is a trained reward model: step 3 scores with it" +
-                     (" (GRPO: instead of --reward_fn)" if recipe == "grpo" else
-                      " and starts its critic from it (no step 2 in this run)"))
+        from dschat.models.loading import critic_given_as_reward_model
+
+        # (step 3's critic has a reward model's files, not its training: not called one, but used as given)
+        critic = critic_given_as_reward_model(ready)
+        said = f"warning: --reward-model {critic}; as given," if critic else \
+            f"--reward-model {ready} is a trained reward model:"
+        print_rank_0(f"{said} step 3 scores with it" + (" (GRPO: instead of --reward_fn)" if recipe == "grpo" else
+                                                       " and starts its critic from it (no step 2 in this run)"))
     if tiny and 2 in steps and recipe == "ppo" and not reward_model_from_sft(args, tiny) and not ready:
         print_rank_0(f"tiny run: step 2 trains --reward-model {args.reward_model} from its own start (without "
                      "--reward-model, as the actor's preset, it starts from the SFT model: docs/tiny_default.md)")

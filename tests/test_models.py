@@ -1193,6 +1193,11 @@ def test_step3_warns_once_of_a_critic_it_would_be_rewarded_by(tmp_path, capsys):
             "defaults to --critic_model_name_or_path"]
     assert warnings(step2) == []
     assert warnings(placed, reward=step2) == []  # (its reward model given)
+    # given as the reward model itself: warned of, without the advice to give it by that flag
+    assert warnings(placed, reward=placed) == [
+        f"warning: step3: {placed}: step 3's critic (the value model PPO trains beside the actor), not a reward "
+        "model: it scores with PPO's value estimates, not step 2's rewards (step 2's output folder, e.g. "
+        "train.py's <output>/step2_rm, holds the reward model)"]
 
 
 def test_a_reward_model_trained_from_an_openrlhf_one_scores_raw_once_saved(tmp_path, distributed):

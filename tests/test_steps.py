@@ -1173,6 +1173,37 @@ def test_train_py_says_what_a_reward_model_given_that_is_a_policy_is(tmp_path, d
            f"head): step 3 scores with {out / 'step2_rm'}" in capsys.readouterr().out
 
 
+def test_train_py_warns_of_step_3s_critic_given_as_reward_model_in_its_own_flags(tmp_path, distributed, capsys):
+    """train.py --reward-model <run>/step3_ppo/critic said "is a trained reward model", then step 3 warned that it is
+    a critic, telling the user to "give it with --reward_model_name_or_path, which defaults to
+    --critic_model_name_or_path": step flags train.py's user does not type (its --reward-model sets both)."""
+    from dschat import pipeline
+    from dschat.models.checkpoint import save_reward_model
+    from dschat.models.loading import load_tokenizer, resolve_model_path
+    from dschat.models.reward_model import create_critic_model
+    from dschat.rlhf.config import warn_of_a_critic_as_reward_model
+
+    step3_out, out = tmp_path / "run" / "step3_ppo", tmp_path / "out"
+    critic = str(step3_out / "critic")
+    save_reward_model(create_critic_model(resolve_model_path("tiny-llama"), None), load_tokenizer("tiny-llama"), critic)
+    (step3_out / "training_args.json").write_text(json.dumps({"step": "step3", "flags": {}}))
+    args = _train_py_args("--step", "1", "3", "--reward-model", critic, "--output-dir", str(out))
+    ready = pipeline.ready_reward_model(args)
+    assert ready == critic, "used as given"
+    capsys.readouterr()
+    pipeline.say_recipe_notes(args, "ppo", [1, 3], False, ready)
+    said = capsys.readouterr().out
+    assert "is a trained reward model" not in said
+    assert said.startswith(f"warning: --reward-model {critic}: step 3's critic (the value model PPO trains beside the "
+                           "actor), not a reward model: ")
+    assert said.rstrip().endswith("; as given, step 3 scores with it and starts its critic from it (no step 2 in "
+                                  "this run)")
+    with pipeline.says_train_py_flags(3, args, pipeline.step_argv(3, args, False)):
+        warn_of_a_critic_as_reward_model(critic, by_default=True)  # (step 3's, under train.py)
+    assert capsys.readouterr().err.rstrip().endswith("; give it with --reward_model_name_or_path, which defaults to "
+                                                     "--reward-model")
+
+
 def _save_tiny_sequence_classifier(folder):
     """A reward model as TRL saves one (a one-label *ForSequenceClassification), with tiny-llama's tokenizer."""
     from transformers import AutoConfig, AutoModelForSequenceClassification

@@ -153,10 +153,10 @@ def check_earlier_step_outputs(args, actor_path=None, critic_path=None, reward_p
         raise MissingInputError(f"step3: {role} loads from --{flag} {path}, the default ({step}'s output), which "
                                 f"does not exist; run {step} first or give --{flag}{hint}")
     if args.reward_model_weight:
-        check_reward_model_trained(reward_path or paths["critic_model_name_or_path"])
+        check_reward_model_trained(reward_path or paths["critic_model_name_or_path"], by_default=not reward_path)
 
 
-def check_reward_model_trained(path):
+def check_reward_model_trained(path, by_default=False):
     """A reward model without step 2's value head (a step-1 folder, a plain model) is refused before any model
     loads: PPO would maximise a random head's score. A tiny preset is such a folder once built (it was refused after
     the actor and critic had loaded), and a hub name's files are read from its snapshot (they were checked only once
@@ -165,20 +165,22 @@ def check_reward_model_trained(path):
 
     if not has_trained_value_head(path):
         raise UsageError(untrained_reward_model_message(path))
-    warn_of_a_critic_as_reward_model(path)
+    warn_of_a_critic_as_reward_model(path, by_default)
 
 
-def warn_of_a_critic_as_reward_model(path):
+def warn_of_a_critic_as_reward_model(path, by_default=False):
     """Step 3's critic as the reward model is warned of, once (not refused: a user may want it): the reward model
     defaults to --critic_model_name_or_path, so PPO continued from an earlier step 3's critic/ with no reward model
-    given was rewarded by that critic's value estimates, unsaid."""
+    given was rewarded by that critic's value estimates, unsaid. How to give the reward model apart is said where it
+    came ``by_default`` (given as --reward_model_name_or_path, it was asked for). Under train.py the flags are said as
+    its user typed them (``pipeline.says_train_py_flags``)."""
     from dschat.models.loading import critic_given_as_reward_model
     from dschat.utils.cli import say_once
     from dschat.utils.dist import is_rank_0
 
     if is_rank_0() and (critic := critic_given_as_reward_model(path)):
-        say_once(f"warning: step3: {critic}; give it with --reward_model_name_or_path, which defaults to "
-                 "--critic_model_name_or_path")
+        advice = "; give it with --reward_model_name_or_path, which defaults to --critic_model_name_or_path"
+        say_once(f"warning: step3: {critic}{advice if by_default else ''}")
 
 
 def untrained_reward_model_message(path):

@@ -4,6 +4,8 @@ with that message and exit status 2, not a traceback through DeepSpeed, datasets
 a write to a full disk (1) and Ctrl-C (130) are said in one line too; DSCHAT_TRACEBACK=1 shows the tracebacks. Also
 what the ranks and tools say on stderr: a warning once per process (``say_once``), once per launch
 (``first_to_say``)."""
+import contextlib
+import contextvars
 import hashlib
 import os
 import select
@@ -99,10 +101,25 @@ def say_if_possible(line):
 
 
 _SAID = set()
+# (notice -> notice) the flags of a step's notices as the user typed them: train.py's, while it runs a step
+# (``pipeline.says_train_py_flags``)
+_NOTICE_SPELLING = contextvars.ContextVar("notice_spelling", default=None)
+
+
+@contextlib.contextmanager
+def notices_spelled(spelling):
+    """``say_once``'s notices passed through ``spelling`` inside the block."""
+    token = _NOTICE_SPELLING.set(spelling)
+    try:
+        yield
+    finally:
+        _NOTICE_SPELLING.reset(token)
 
 
 def say_once(notice):
-    """``notice`` on stderr, once per process."""
+    """``notice`` on stderr, once per process (its flags spelled as ``notices_spelled`` says, inside it)."""
+    spelling = _NOTICE_SPELLING.get()
+    notice = spelling(notice) if spelling else notice
     if notice not in _SAID:
         _SAID.add(notice)
         print(notice, file=sys.stderr)
