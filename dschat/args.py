@@ -510,15 +510,23 @@ class StepParser(HintingParser):
         return f"{given}: a flag of {' and '.join(steps)}" if steps else None
 
 
+def scripts_taking(flag):
+    """(name, step number, folder under training/, train.py's option passing it) of each step script whose parser
+    takes ``flag``: the one place that works out which steps take a flag (``steps_taking``, train.py's
+    ``pipeline.step_flags_hint``)."""
+    scripts = (("step 1", 1, step1_parser, "step1_sft", "--step1-args"),
+               ("step 2", 2, step2_parser, "step2_rm", "--step2-args"),
+               ("DPO", 2, step2_dpo_parser, "step2_dpo", "--step2-args with --recipe dpo"),
+               ("step 3", 3, step3_parser, "step3_ppo", "--step3-args"))
+    return [(name, step, folder, option) for name, step, parser, folder, option in scripts
+            if flag in parser()._option_string_actions]
+
+
 def steps_taking(flag, under_train_py=False):
     """The step scripts whose parsers take ``flag``, each as "step 3 (training/step3_ppo/main.py)", or, for a flag
     given in train.py's --stepN-args, with the --stepN-args that passes it: "step 3 (--step3-args)"."""
-    scripts = (("step 1", step1_parser, "step1_sft", "--step1-args"),
-               ("step 2", step2_parser, "step2_rm", "--step2-args"),
-               ("DPO", step2_dpo_parser, "step2_dpo", "--step2-args with --recipe dpo"),
-               ("step 3", step3_parser, "step3_ppo", "--step3-args"))
     return [f"{name} ({option if under_train_py else f'training/{folder}/main.py'})"
-            for name, parser, folder, option in scripts if flag in parser()._option_string_actions]
+            for name, _, folder, option in scripts_taking(flag)]
 
 
 def _with_role(flag, plain):

@@ -373,18 +373,17 @@ def says_train_py_flags(step, args, argv=None):
 
 def step_flags_hint(unknown):
     """For train.py's unrecognized arguments: which of them are flags of the step scripts, and how to pass them."""
-    from dschat.args import step1_parser, step2_parser, step3_parser
+    from dschat.args import scripts_taking
 
-    known = {step: parser()._option_string_actions for step, parser in
-             ((1, step1_parser), (2, step2_parser), (3, step3_parser))}
     lines = []
     for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
-        steps = [step for step, options in known.items() if flag in options]
+        taking = scripts_taking(flag)
         if flag in TRAIN_PY_NAMES:
             lines.append(f"  {flag}: train.py's {TRAIN_PY_NAMES[flag]}")
-        elif steps:
-            where = " / ".join(f"--step{step}-args" for step in steps)
-            lines.append(f"  {flag}: a flag of step {', '.join(map(str, steps))}; give it to train.py inside {where} "
+        elif taking:
+            steps = ", ".join(map(str, dict.fromkeys(step for _, step, _, _ in taking)))
+            where = " / ".join(option for _, _, _, option in taking)
+            lines.append(f"  {flag}: a flag of step {steps}; give it to train.py inside {where} "
                          f"(one quoted string each), or run the step's training/.../main.py")
     return "\n" + "\n".join(lines) if lines else ""
 

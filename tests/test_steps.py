@@ -616,6 +616,17 @@ def test_a_flag_only_another_step_takes_names_that_step(capsys):
     assert "(--print_answers: a flag of step 3 (--step3-args))" in capsys.readouterr().err
 
 
+def test_train_py_says_how_to_pass_a_flag_only_dpo_takes(capsys):
+    """train.py's hint for a step's flag read steps 1, 2 and 3's parsers, apart from ``args.steps_taking`` which reads
+    DPO's too: DPO's --beta given to train.py was said to be unrecognized and no more. Both read ``scripts_taking``."""
+    with pytest.raises(SystemExit):
+        _train_py_args("--beta", "0.1", "--print_answers")
+    err = capsys.readouterr().err
+    assert "--beta: a flag of step 2; give it to train.py inside --step2-args with --recipe dpo (one quoted string " \
+           "each)" in err
+    assert "--print_answers: a flag of step 3; give it to train.py inside --step3-args (one quoted" in err
+
+
 # argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
 @pytest.mark.parametrize("parser, flag, value", [
     ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "inf"),
