@@ -438,9 +438,13 @@ class HintingParser(SaidOnceParser):
     def refuse_unknown_flags(self, argv):
         """Each ``--flag`` of ``argv`` this parser lacks (with the values after it) is an error, before argparse's
         own checks, which say a missing required flag first. One right after a flag that wants a value is left to
-        argparse: ``--prompt --hi`` "expected one argument" (give ``--prompt=--hi``)."""
+        argparse: ``--prompt --hi`` "expected one argument" (give ``--prompt=--hi``). With -h/--help, argparse's help
+        and status 0 (``chat.py --max-new-tokens 5 --help``: help, as argparse gives it before any unknown flag)."""
+        groups = flag_groups(self, argv)
+        if any(dest == "help" for dest, _ in groups):
+            return
         unknown, wants_value = [], False
-        for dest, tokens in flag_groups(self, argv):
+        for dest, tokens in groups:
             text = str(tokens[0])
             if dest is None and text.startswith("--") and text != "--" and not wants_value:
                 unknown += map(str, tokens)

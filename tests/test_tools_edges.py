@@ -1097,3 +1097,15 @@ def test_a_value_that_begins_with_dashes_is_still_the_missing_value_of_its_flag(
         chat.main(["--path", "tiny-llama", "--prompt", "--hi"])
     err = capsys.readouterr().err
     assert "argument --prompt: expected one argument" in err and "unrecognized" not in err, err
+
+
+@pytest.mark.parametrize("tool", ["chat", "rw_eval", "prompt_eval", "ppo_eval"])
+def test_help_after_an_unknown_flag_is_still_the_help(tool, capsys):
+    """``--max-new-tokens 5 --help``: argparse prints the help and exits 0 before it says any unknown flag; the
+    early refusal of unknown flags had made it an error (status 2) that hid the help asked for."""
+    import importlib
+
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(f"dschat.tools.{tool}").build_parser().parse_args(["--max-new-tokens", "5", "--help"])
+    out = capsys.readouterr().out
+    assert stopped.value.code == 0 and "usage:" in out and "--seed" in out, out
