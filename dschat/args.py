@@ -391,11 +391,17 @@ def flag_groups(parser, argv):
             groups.append((None, list(argv[index:])))
             break
         action = parser._option_string_actions.get(text.split("=", 1)[0]) if text.startswith("-") else None
-        if action is not None or text.startswith("--") or not groups:
+        if action is not None or names_a_flag(text) or not groups:
             groups.append((action.dest if action is not None else None, [token]))
         else:
             groups[-1][1].append(token)
     return groups
+
+
+def names_a_flag(text):
+    """Whether argparse reads the token ``text`` as a flag (a known one or not), not a value: ``--name``, but not
+    one with a space (``--prompts "Hi" "-- and you?"``: argparse takes it for a prompt)."""
+    return text.startswith("--") and " " not in text
 
 
 def repeated_flags(parser, argv):
@@ -446,7 +452,7 @@ class HintingParser(SaidOnceParser):
         unknown, wants_value = [], False
         for dest, tokens in groups:
             text = str(tokens[0])
-            if dest is None and text.startswith("--") and text != "--" and not wants_value:
+            if dest is None and names_a_flag(text) and text != "--" and not wants_value:
                 unknown += map(str, tokens)
             action = self._option_string_actions.get(text.split("=", 1)[0]) if dest is not None else None
             wants_value = action is not None and action.nargs in (None, "+") and "=" not in text and len(tokens) == 1

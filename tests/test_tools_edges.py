@@ -1109,3 +1109,13 @@ def test_help_after_an_unknown_flag_is_still_the_help(tool, capsys):
         importlib.import_module(f"dschat.tools.{tool}").build_parser().parse_args(["--max-new-tokens", "5", "--help"])
     out = capsys.readouterr().out
     assert stopped.value.code == 0 and "usage:" in out and "--seed" in out, out
+
+
+def test_a_value_with_dashes_and_a_space_is_a_value_as_argparse_reads_it():
+    """argparse takes a token with a space for a value even where it begins with "--" (a prompt "-- and you?" after
+    the first of --prompts); the early refusal of unknown flags refused it as an unknown flag."""
+    from dschat.tools import prompt_eval
+
+    args = prompt_eval.build_parser().parse_args(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune",
+                                                  "b", "--prompts", "Hi", "-- and you?"])
+    assert args.prompts == ["Hi", "-- and you?"]
