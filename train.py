@@ -154,10 +154,11 @@ def parse_args(argv=None):
 
 def unknown_flags_hint(parser, unknown):
     """A line for each unrecognized flag: a step's flag, how to pass it (``step_flags_hint``); else train.py's own
-    that it may have meant, ``--actor_model`` for ``--actor-model`` (the steps spell their flags with "_")."""
+    that it may have meant, ``--actor_model`` for ``--actor-model`` (the steps spell their flags with "_"); a flag
+    typed with a pasted typographic dash (``–recipe``), the flag it spells."""
     from dschat.pipeline import step_flags_hint
 
-    lines = []
+    lines = [f"\n  {said}" for said in map(parser.typed_dash_hint, unknown) if said]
     for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
         meant = parser.flags_meant(flag)
         lines.append(step_flags_hint([flag]) or (f"\n  {flag}: did you mean {' or '.join(meant)}?" if meant else ""))

@@ -439,7 +439,10 @@ class HintingParser(SaidOnceParser):
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else args
         self.refuse_unknown_flags(argv)
-        return super().parse_args(argv, namespace)
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:  # (argparse's error, with the hints: a flag typed with a pasted dash is a value to argparse)
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self.hint(extras)}")
+        return parsed
 
     def refuse_unknown_flags(self, argv):
         """Each ``--flag`` of ``argv`` this parser lacks (with the values after it) is an error, before argparse's
@@ -460,8 +463,20 @@ class HintingParser(SaidOnceParser):
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
 
     def hint(self, unknown):
-        said = [self.flag_hint(given) for given in (arg.split("=")[0] for arg in unknown if arg.startswith("--"))]
+        said = [self.flag_hint(arg.split("=")[0]) if arg.startswith("--") else self.typed_dash_hint(arg)
+                for arg in unknown]
         return f" ({'; '.join(filter(None, said))})" if any(said) else ""
+
+    def typed_dash_hint(self, token):
+        """A flag typed with a typographic dash (``–learning_rate``: "--" as a web page or word processor shows it),
+        which argparse takes for a value: the flag it spells or may have meant, in words, or None."""
+        flag = typed_dashes_as_flag(token)
+        if flag is None:
+            return None
+        meant = [flag] if flag in self._option_string_actions else self.flags_meant(flag)
+        if not meant:
+            return None
+        return f"{token.split('=', 1)[0]}: begins with a typographic dash, not '--'; did you mean {' or '.join(meant)}?"
 
     def flag_hint(self, given):
         """What the unknown flag ``given`` may be, in words, or None."""
@@ -473,6 +488,20 @@ class HintingParser(SaidOnceParser):
 
     def long_flags(self):
         return [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+
+
+# Dashes a web page or word processor shows for "-" or "--" (hyphen, non-breaking hyphen, figure dash, en dash, em
+# dash, horizontal bar, minus sign): a command line pasted from one has them.
+TYPOGRAPHIC_DASHES = "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"
+
+
+def typed_dashes_as_flag(token):
+    """``token``'s flag (before any "=") with the dashes it begins with as "--", where the first is a typographic one
+    (``–lr`` is ``--lr``); else None."""
+    name = token.split("=", 1)[0].lstrip(TYPOGRAPHIC_DASHES + "-")
+    if not token or token[0] not in TYPOGRAPHIC_DASHES or not name or " " in name:
+        return None
+    return f"--{name}"
 
 
 def close_flags(given, flags):

@@ -1223,3 +1223,23 @@ def test_the_schedule_end_notice_says_what_each_schedule_does_past_its_end(sched
         assert taken is None
     else:
         assert taken == 5 and said in schedule_ended_notice("critic", taken, 4, scheduler_type, "num_total_iters", 1)
+
+
+def test_a_flag_typed_with_a_pasted_dash_names_the_flag_it_spells(capsys):
+    """A command line pasted from a web page or word processor has "–recipe" (an en dash) for "--recipe": argparse
+    takes it for a value and said only "unrecognized arguments"; the error names the flag it spells (or may mean)."""
+    import runpy
+
+    from launch import REPO
+
+    from dschat.args import step1_parser
+
+    train = runpy.run_path(str(REPO / "train.py"))
+    for parse, given, meant in ((train["parse_args"], "\u2013recipe", "--recipe"),
+                                (step1_parser().parse_args, "\u2014learning_rate", "--learning_rate"),
+                                (step1_parser().parse_args, "\u2013learning-rate", "--learning_rate")):
+        with pytest.raises(SystemExit) as stopped:
+            parse([given, "1"])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"{given}: begins with a typographic dash, not '--'; did you mean {meant}?" \
+            in err, err
