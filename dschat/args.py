@@ -182,6 +182,11 @@ def _bounded_int(text, low, what):
     return value
 
 
+# The flag a launcher appends to each rank's command line: deepspeed's launcher --local_rank=N, torch.distributed.launch
+# (torch 2) --local-rank=N. (A rank's device is read from LOCAL_RANK, which both set too.)
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+
+
 def add_data_args(parser, default_split="2,4,4"):
     g = parser.add_argument_group("data")
     g.add_argument("--data_path", nargs="*", default=["tiny"],
@@ -283,7 +288,7 @@ def add_training_args(parser, lr=1e-3, batch=16, max_seq_len=512, eval_batch=16)
     g.add_argument("--output_dir", type=str, default=None, help="Where the trained model is saved.")
     g.add_argument("--seed", type=seed_int, default=DEFAULT_SEED,
                    help="Seed of the data order, the data shares and the model's random initialisations.")
-    g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
+    g.add_argument(*LOCAL_RANK_FLAGS, type=int, default=-1, help="Set by the deepspeed launcher.")
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="Activation checkpointing: less memory, one more forward per step.")
     g.add_argument("--eval_interval", type=non_negative_int, default=0,
@@ -1089,7 +1094,7 @@ def _add_step3_optimization_args(g):
     g.add_argument("--num_warmup_steps", type=non_negative_int, default=100, help="Optimizer steps of linear warmup.")
     g.add_argument("--seed", type=seed_int, default=DEFAULT_SEED,
                    help="Seed of the data order, the data shares and the model's random initialisations.")
-    g.add_argument("--local_rank", type=int, default=-1, help="Set by the deepspeed launcher.")
+    g.add_argument(*LOCAL_RANK_FLAGS, type=int, default=-1, help="Set by the deepspeed launcher.")
 
 
 def _add_step3_generation_args(g):

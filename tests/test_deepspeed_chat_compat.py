@@ -1243,3 +1243,20 @@ def test_a_flag_typed_with_a_pasted_dash_names_the_flag_it_spells(capsys):
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and f"{given}: begins with a typographic dash, not '--'; did you mean {meant}?" \
             in err, err
+
+
+def test_the_local_rank_that_torch_distributed_launch_appends_is_taken(capsys):
+    """torch.distributed.launch (torch 2) appends --local-rank=N to each rank's command line, deepspeed's launcher
+    --local_rank=N: the steps, train.py and ppo_eval refused the first as an unrecognized argument."""
+    import runpy
+
+    from launch import REPO
+
+    from dschat.args import step1_parser, step3_parser
+    from dschat.tools.ppo_eval import build_parser
+
+    train = runpy.run_path(str(REPO / "train.py"))
+    for parse, given in ((step1_parser().parse_args, []), (step3_parser().parse_args, []),
+                         (train["parse_args"], []), (build_parser().parse_args, ["--policy", "x"])):
+        for spelling in ("--local-rank=1", "--local_rank=1"):
+            assert parse([*given, spelling]).local_rank == 1
