@@ -1260,3 +1260,17 @@ def test_the_local_rank_that_torch_distributed_launch_appends_is_taken(capsys):
                          (train["parse_args"], []), (build_parser().parse_args, ["--policy", "x"])):
         for spelling in ("--local-rank=1", "--local_rank=1"):
             assert parse([*given, spelling]).local_rank == 1
+
+
+def test_train_py_names_the_dpo_step_for_a_dpo_flag(capsys):
+    """train.py --beta 0.1 (DPO's flag) was told only "unrecognized arguments": the hint for a step's flag knew steps
+    1-3 only; it says the --stepN-args that passes it."""
+    import runpy
+
+    from launch import REPO
+
+    train = runpy.run_path(str(REPO / "train.py"))
+    with pytest.raises(SystemExit):
+        train["parse_args"](["--beta", "0.1"])
+    assert "unrecognized arguments: --beta 0.1\n  --beta: a flag of DPO (--step2-args with --recipe dpo)" in \
+        capsys.readouterr().err
