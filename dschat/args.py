@@ -489,7 +489,15 @@ class HintingParser(SaidOnceParser):
         return f"{given}: did you mean {' or '.join(meant)}?" if meant else None
 
     def flags_meant(self, given):
-        return close_flags(given, self.long_flags())
+        return self.one_spelling_each(close_flags(given, self.long_flags()))
+
+    def one_spelling_each(self, flags):
+        """``flags`` less the other spellings of one already among them: "--local_rank or --local-rank" named one
+        flag twice."""
+        first = {}
+        for flag in flags:
+            first.setdefault(self._option_string_actions[flag], flag)
+        return list(first.values())
 
     def long_flags(self):
         return [option for action in self._actions for option in action.option_strings if option.startswith("--")]

@@ -2862,3 +2862,13 @@ def test_train_py_finds_step_3s_hub_unsupervised_data_the_offline_cache_lacks_be
     with pytest.raises(MissingInputError, match=r"^--step3-args --unsupervised_dataset_name wikitext: not in the "
                                                 r"datasets cache, and HF_HUB_OFFLINE is set"):
         pipeline.run_pipeline(args)
+
+
+def test_a_hint_names_a_flag_of_two_spellings_once():
+    """A flag with two spellings (--local_rank / --local-rank, --deepspeed_config / --deepscale_config) was named
+    twice by a hint: "did you mean --local_rank or --local-rank?"."""
+    from dschat.args import step1_parser
+
+    parser = step1_parser()
+    assert parser.flag_hint("--local") == "--local: did you mean --local_rank?"
+    assert parser.flag_hint("--deepspeed-config") == "--deepspeed-config: did you mean --deepspeed_config?"
