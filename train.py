@@ -155,18 +155,13 @@ def parse_args(argv=None):
 def unknown_flags_hint(parser, unknown):
     """A line for each unrecognized flag: a step's flag, how to pass it (``step_flags_hint``); else train.py's own
     that it may have meant, ``--actor_model`` for ``--actor-model`` (the steps spell their flags with "_"); a flag
-    typed with a pasted typographic dash (``–recipe``), the flag it spells; else the steps that take it (DPO's
-    --beta)."""
+    typed with a pasted typographic dash (``–recipe``), the flag it spells."""
     from dschat.pipeline import step_flags_hint
-
-    from dschat.args import steps_taking
 
     lines = [f"\n  {said}" for said in map(parser.typed_dash_hint, unknown) if said]
     for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
-        meant, steps = parser.flags_meant(flag), steps_taking(flag, under_train_py=True)
-        # (step_flags_hint knows steps 1-3: a DPO flag, --beta, is named by steps_taking)
-        lines.append(step_flags_hint([flag]) or (f"\n  {flag}: did you mean {' or '.join(meant)}?" if meant else "")
-                     or (f"\n  {flag}: a flag of {' and '.join(steps)}" if steps else ""))
+        meant = parser.flags_meant(flag)
+        lines.append(step_flags_hint([flag]) or (f"\n  {flag}: did you mean {' or '.join(meant)}?" if meant else ""))
     return "".join(lines)
 
 

@@ -1272,5 +1272,5 @@ def test_train_py_names_the_dpo_step_for_a_dpo_flag(capsys):
     train = runpy.run_path(str(REPO / "train.py"))
     with pytest.raises(SystemExit):
         train["parse_args"](["--beta", "0.1"])
-    assert "unrecognized arguments: --beta 0.1\n  --beta: a flag of DPO (--step2-args with --recipe dpo)" in \
-        capsys.readouterr().err
+    assert "unrecognized arguments: --beta 0.1\n  --beta: a flag of step 2; give it to train.py inside --step2-args " \
+        "with --recipe dpo" in capsys.readouterr().err
