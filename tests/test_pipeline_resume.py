@@ -739,8 +739,8 @@ def test_a_tensorboard_path_moved_with_the_run_folder_is_no_change(tmp_path, mon
     assert plan_steps([1], "ppo", str(out), {1: now})[1] == (SKIP, "")
     elsewhere = Namespace(**{**vars(now), "tensorboard_path": str(tmp_path / "tb")})
     assert plan_steps([1], "ppo", str(out), {1: elsewhere})[1] == (
-        SKIP, "its output does not depend on what it logs and how it evaluates (--tensorboard_path /old/out/tensorboard "
-              f"-> {tmp_path / 'tb'}: its metrics.json is the finished run's evaluation)")
+        SKIP, "its output does not depend on what it logs and how it evaluates (--tensorboard_path "
+              f"/old/out/tensorboard -> {tmp_path / 'tb'}: its metrics.json is the finished run's evaluation)")
     # relative paths, from the working directory each run had (train.py's default --output-dir ./output)
     finish(out, 1, 100, output_dir="output/step1_sft", tensorboard_path="output/tensorboard")
     record = json.loads((out / FOLDERS[1] / "training_args.json").read_text())
