@@ -18,8 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import tiny_recurrent_gemma_actor  # noqa: E402
-from hybrid_common import (PAD, ds_config, early_token, hf_generate_alone, left_padded_batch,  # noqa: E402
-                           with_biases)
+from hybrid_common import PAD, early_token, hf_generate_alone, left_padded_batch, with_biases, zero3_actor  # noqa: E402
 
 MAX_NEW = 8
 # rank 0: 2 prompt lengths (two rows of 5 together), rank 1: 4; the ranks share lengths 2 and 5 (other prompts)
@@ -98,19 +97,6 @@ class Tokenizer:
         return 96
 
 
-def zero3_actor(folder):
-    """The actor as step 3 loads it from ``folder`` under ZeRO-3 (every weight partitioned)."""
-    from dschat.models.loading import load_causal_lm
-    from dschat.models.training_engine import initialize_engine
-
-    config = ds_config(stage=3)
-    config.pop("optimizer")
-    config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * dist.get_world_size()
-    model = load_causal_lm(folder, Tokenizer(), config)
-    return initialize_engine(model, config, lr=1e-3, weight_decay=0.0, lora_learning_rate=None,
-                             lr_scheduler_type="constant", num_warmup_steps=0, total_steps=1)
-
-
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--folder", required=True, help="where rank 0 saves the model both ranks load")
@@ -126,7 +112,7 @@ def main():
     if rank == 0:
         reference.save_pretrained(folder)
     dist.barrier()
-    ds_engine = zero3_actor(folder)
+    ds_engine = zero3_actor(folder, Tokenizer())
     assert all(p.numel() == 0 for p in ds_engine.module.parameters()), "every weight partitioned"
     engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, pin_parameters=False),
                           pad_token_id=PAD)

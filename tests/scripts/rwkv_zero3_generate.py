@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import tiny_rwkv  # noqa: E402
-from hybrid_common import ds_config  # noqa: E402
+from hybrid_common import zero3_actor  # noqa: E402
 
 NEW_TOKENS = 6
 
@@ -53,18 +53,6 @@ def answers_alone(model, prompts, mask):
     return torch.cat([prompts, torch.stack(answers)], dim=1)
 
 
-def zero3_actor(folder):
-    from dschat.models.loading import load_causal_lm
-    from dschat.models.training_engine import initialize_engine
-
-    config = ds_config(stage=3)
-    config.pop("optimizer")
-    config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * dist.get_world_size()
-    model = load_causal_lm(folder, Tokenizer(), config)
-    return initialize_engine(model, config, lr=1e-3, weight_decay=0.0, lora_learning_rate=None,
-                             lr_scheduler_type="constant", num_warmup_steps=0, total_steps=1)
-
-
 def step3_answers(actor, prompts, mask):
     """Step 3's rollouts without the hybrid engine, on a stand-in trainer."""
     from dschat.rlhf.trainer import DeepSpeedPPOTrainer
@@ -92,7 +80,7 @@ def main():
     if rank == 0:
         model.save_pretrained(folder)
     dist.barrier()
-    actor = zero3_actor(folder)
+    actor = zero3_actor(folder, Tokenizer())
     assert all(p.numel() == 0 for p in actor.module.parameters()), "every weight partitioned"
     got = step3_answers(actor, prompts, mask)
     assert torch.equal(got, expected), (rank, got.tolist(), expected.tolist())
