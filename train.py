@@ -160,8 +160,8 @@ def unknown_flags_hint(parser, unknown):
 
     lines = [f"\n  {said}" for said in map(parser.typed_dash_hint, unknown) if said]
     for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
-        meant = parser.flags_meant(flag)
-        lines.append(step_flags_hint([flag]) or (f"\n  {flag}: did you mean {' or '.join(meant)}?" if meant else ""))
+        meant = parser.flag_hint(flag)  # (in the words the steps' and the tools' errors say it)
+        lines.append(step_flags_hint([flag]) or (f"\n  {meant}" if meant else ""))
     return "".join(lines)
 
 
