@@ -489,7 +489,7 @@ class HintingParser(SaidOnceParser):
         return f"{given}: did you mean {' or '.join(meant)}?" if meant else None
 
     def flags_meant(self, given):
-        return self.one_spelling_each(close_flags(given, self.long_flags()))
+        return self.one_spelling_each(close_names(given, self.long_flags()))
 
     def one_spelling_each(self, flags):
         """``flags`` less the other spellings of one already among them: "--local_rank or --local-rank" named one
@@ -517,9 +517,10 @@ def typed_dashes_as_flag(token):
     return f"--{name}"
 
 
-def close_flags(given, flags):
-    """The ``flags`` that ``given`` may have meant: one spelled with the other separator ("-" for "_"), else those it
-    begins (the parsers take no abbreviations; at most three), else the closest spellings."""
+def close_names(given, flags):
+    """The names among ``flags`` (a parser's flags, or any names: the known datasets') that ``given`` may have meant:
+    one spelled with the other separator ("-" for "_"), else those it begins (the parsers take no abbreviations; at
+    most three), else the closest spellings."""
     import difflib
 
     def plain(flag):
@@ -535,7 +536,7 @@ def close_flags(given, flags):
 class StepParser(HintingParser):
     """An unrecognized flag's error names the step's flags it may have meant: the role's flags of another step's
     (step 3's ``--actor_lora_dim`` and ``--critic_lora_dim`` for ``--lora_dim``; step 1's ``--lora_dim`` for
-    ``--actor_lora_dim``), else the closest spellings (``close_flags``), else the steps that take it. On the command
+    ``--actor_lora_dim``), else the closest spellings (``close_names``), else the steps that take it. On the command
     line (``sys.argv``) a flag given twice is an error, as in train.py (``check_given_once``)."""
 
     def parse_args(self, args=None, namespace=None):

@@ -276,9 +276,9 @@ def unknown_dataset_error(dataset_name, flag="--data_path"):
     """A UsageError: a mistyped --data_path (``flag``) ends in "error: ..." and exit status 2, not a traceback. A name
     close to a known one is told it (Dahoas/rm-statik listed every name, the one meant among them), by its spelling
     alone: no hub is asked."""
-    from dschat.args import close_flags  # (the spellings an unknown flag may have meant: the same test of names)
+    from dschat.args import close_names  # (the names an unknown flag may have meant: the same test)
 
-    meant = close_flags(dataset_name, known_dataset_names())
+    meant = close_names(dataset_name, known_dataset_names())
     hint = f" (did you mean {' or '.join(meant)}?)" if meant else ""
     return UsageError(
         f"{f'{flag}: ' if flag else ''}unknown dataset {dataset_name!r}{hint}: not a known name and not an existing "
