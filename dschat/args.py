@@ -500,7 +500,10 @@ class HintingParser(SaidOnceParser):
         return list(first.values())
 
     def long_flags(self):
-        return [option for action in self._actions for option in action.option_strings if option.startswith("--")]
+        """The long flags a hint may name: not those --help hides (a tool's refused flags: ppo_eval's
+        --sft_only_data_path)."""
+        return [option for action in self._actions if action.help is not argparse.SUPPRESS
+                for option in action.option_strings if option.startswith("--")]
 
 
 # Dashes a web page or word processor shows for "-" or "--" (hyphen, non-breaking hyphen, figure dash, en dash, em

@@ -1088,6 +1088,17 @@ def test_a_mistyped_tool_flag_is_the_error_naming_the_flag_meant(tool, argv, nam
     assert "required" not in err
 
 
+def test_a_hint_never_names_a_flag_the_tool_hides(capsys):
+    """ppo_eval's --sft_only_data_path (step 3's shared flag, hidden from --help and refused) was the "did you mean" of
+    --sft_only_data_pth: a hint named a flag the tool refuses."""
+    from dschat.tools import ppo_eval
+
+    with pytest.raises(SystemExit):
+        ppo_eval.main(["--policy", "tiny-llama", "--sft_only_data_pth", "x"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --sft_only_data_pth x" in err and "sft_only_data_path" not in err, err
+
+
 def test_a_value_that_begins_with_dashes_is_still_the_missing_value_of_its_flag(capsys):
     """``--prompt --hi``: argparse's "expected one argument" (the way out: --prompt=--hi), not "--hi" as an unknown
     flag."""
