@@ -377,13 +377,15 @@ def step_flags_hint(unknown):
 
     lines = []
     for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
-        taking = scripts_taking(flag)
+        steps_spelling = "--" + flag[2:].replace("-", "_")  # (train.py's --lora-dim: the steps spell it --lora_dim)
+        taking = scripts_taking(flag) or scripts_taking(steps_spelling)
+        spelled = f" (spelled {steps_spelling} there)" if steps_spelling != flag and not scripts_taking(flag) else ""
         if flag in TRAIN_PY_NAMES:
             lines.append(f"  {flag}: train.py's {TRAIN_PY_NAMES[flag]}")
         elif taking:
             steps = ", ".join(map(str, dict.fromkeys(step for _, step, _, _ in taking)))
             where = " / ".join(option for _, _, _, option in taking)
-            lines.append(f"  {flag}: a flag of step {steps}; give it to train.py inside {where} "
+            lines.append(f"  {flag}: a flag of step {steps}{spelled}; give it to train.py inside {where} "
                          f"(one quoted string each), or run the step's training/.../main.py")
     return "\n" + "\n".join(lines) if lines else ""
 

@@ -627,6 +627,16 @@ def test_train_py_says_how_to_pass_a_flag_only_dpo_takes(capsys):
     assert "--print_answers: a flag of step 3; give it to train.py inside --step3-args (one quoted" in err
 
 
+def test_train_py_says_how_to_pass_a_steps_flag_typed_in_train_pys_spelling(capsys):
+    """train.py --lora-dim 2 (train.py's flags spell with "-", the steps' with "_") got no hint: the step scripts were
+    asked for --lora-dim only. It names the steps that take --lora_dim, in their spelling."""
+    with pytest.raises(SystemExit):
+        _train_py_args("--lora-dim", "2")
+    err = capsys.readouterr().err
+    assert "--lora-dim: a flag of step 1, 2 (spelled --lora_dim there); give it to train.py inside --step1-args / " \
+           "--step2-args" in err, err
+
+
 # argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
 @pytest.mark.parametrize("parser, flag, value", [
     ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "inf"),
