@@ -3432,17 +3432,22 @@ def opens_and_stats_counter(monkeypatch, data):
     return opened_and_stated_by
 
 
-def test_a_json_file_written_while_it_is_checked_is_loaded_under_the_hash_of_what_is_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, name, old, new, read_by", [
+    ("jsonl", "train.jsonl", '{"prompt": "Hi?", "chosen": "Hello."}\n', '{"prompt": "Bye?", "chosen": "Goodbye."}\n',
+     "check_jsonl_lines"),
+    ("csv", "train.csv", "prompt,chosen\nHi?,Hello.\n", "prompt,chosen\nBye?,Goodbye.\n", "check_csv_header")])
+def test_a_file_written_while_it_is_read_is_loaded_under_the_hash_of_what_is_read(tmp_path, monkeypatch, kind, name,
+                                                                                   old, new, read_by):
     """A JSON file's load hashed it once, before its check, and keyed its Arrow cache by that hash: a file written
     while it was checked (a first check, no pass kept) had its new rows cached under its old content's name, and a
-    later load of the old content (its time kept, as datasets' own key has it) read the new rows. A file whose stamp
-    after its check is not the one it was hashed under is hashed again, and loaded under that hash."""
+    later load of the old content (its time kept, as datasets' own key has it) read the new rows. A CSV load, which
+    hashes the file first (its first bytes read in that open) and then reads its record lines, did the same. A file
+    whose stamp after that read is not the one it was hashed under is hashed again, and loaded under that hash."""
     from dschat.data import digests, reading
 
     on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
     monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before: its hash kept)
-    data = tmp_path / "train.jsonl"
-    old, new = '{"prompt": "Hi?", "chosen": "Hello."}\n', '{"prompt": "Bye?", "chosen": "Goodbye."}\n'
+    data = tmp_path / name
     data.write_text(old)
     times = os.stat(data)
 
@@ -3450,41 +3455,13 @@ def test_a_json_file_written_while_it_is_checked_is_loaded_under_the_hash_of_wha
         data.write_text(text)
         os.utime(data, ns=(times.st_atime_ns, times.st_mtime_ns))  # (its time kept)
 
-    check = reading.check_jsonl_lines
-    monkeypatch.setattr(reading, "check_jsonl_lines", lambda path, *args: write(new) or check(path, *args))
-    assert reading.load_file("jsonl", str(data))[0]["prompt"] == ["Bye?"]
-    monkeypatch.setattr(reading, "check_jsonl_lines", check)
+    read = getattr(reading, read_by)
+    monkeypatch.setattr(reading, read_by, lambda path, *args: write(new) or read(path, *args))
+    assert reading.load_file(kind, str(data))[0]["prompt"] == ["Bye?"]
+    monkeypatch.setattr(reading, read_by, read)
     write(old)
     digests.forget_file_digests()  # (a later process)
-    assert reading.load_file("jsonl", str(data))[0]["prompt"] == ["Hi?"]
-
-
-def test_a_csv_file_written_while_its_lines_are_read_is_loaded_under_the_hash_of_what_is_read(tmp_path, monkeypatch):
-    """A CSV load hashes the file first (its first bytes read in that open), then reads its record lines, then loads
-    it keyed by that hash: a file written while its lines were read had its new rows cached under its old content's
-    name, and a later load of the old content (its time kept, as datasets' own key has it) read the new rows. A file
-    whose stamp after that read is not the one it was hashed under is hashed again, and loaded under that hash, as a
-    JSON file written while it is checked is."""
-    from dschat.data import digests, reading
-
-    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
-    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before: its hash kept)
-    data = tmp_path / "train.csv"
-    old, new = "prompt,chosen\nHi?,Hello.\n", "prompt,chosen\nBye?,Goodbye.\n"
-    data.write_text(old)
-    times = os.stat(data)
-
-    def write(text):
-        data.write_text(text)
-        os.utime(data, ns=(times.st_atime_ns, times.st_mtime_ns))  # (its time kept)
-
-    check = reading.check_csv_header
-    monkeypatch.setattr(reading, "check_csv_header", lambda path, header: write(new) or check(path, header))
-    assert reading.load_file("csv", str(data))[0]["prompt"] == ["Bye?"]
-    monkeypatch.setattr(reading, "check_csv_header", check)
-    write(old)
-    digests.forget_file_digests()  # (a later process)
-    assert reading.load_file("csv", str(data))[0]["prompt"] == ["Hi?"]
+    assert reading.load_file(kind, str(data))[0]["prompt"] == ["Hi?"]
 
 
 def _check_json_in_child(args):

@@ -5038,6 +5038,17 @@ def test_under_synced_gpus_padded_rows_generate_apart_and_a_rank_makes_as_many_c
     assert torch.equal(seq[:, :4], ids) and torch.equal(seq[:, 4:], torch.stack(alone))
 
 
+def _tiny_generator(family):
+    """A one-layer Llama of 96 ids or a tiny RWKV (``tiny_rwkv``): the two HF-generate paths, batched and row
+    by row."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2))
+    return tiny_rwkv()
+
+
 @pytest.mark.parametrize("family", ["llama", "rwkv"])
 def test_hf_generate_syncs_a_zero3_model_on_several_ranks_when_the_caller_leaves_synced_gpus_unsaid(family,
                                                                                                     monkeypatch):
@@ -5046,17 +5057,11 @@ def test_hf_generate_syncs_a_zero3_model_on_several_ranks_when_the_caller_leaves
     parameters partitioned) on several ranks generated unsynced, and the ranks hung once one's answers ended first.
     hf_generate now tells HF outright: synced where the model is partitioned and there are several ranks, as the
     caller says where it says."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from dschat.models.loading import model_load_context
     from dschat.rlhf import trainer
     from dschat.rlhf.trainer import hf_generate
 
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2))
-    else:
-        model = tiny_rwkv()
+    model = _tiny_generator(family)
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
     ids, mask = _left_padded([[10, 11], [30, 31]], 2)
     said = []
@@ -5157,14 +5162,11 @@ def test_hf_generate_leaves_a_plain_model_unsynced_while_an_hf_deepspeed_config_
     ranks where one outlived its load, which may be on one rank alone (kept in a cycle until that rank's garbage
     collection), and that rank waited in HF's per-step all-reduce for peers that never came. Now the model alone
     decides: partitioned (ZeRO-3) or FSDP-managed, on several ranks."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from dschat.models.loading import model_load_context
     from dschat.rlhf import trainer
     from dschat.rlhf.trainer import hf_generate
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = _tiny_generator("llama")
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
     said = []
     model.generate = lambda input_ids, synced_gpus="unsaid", **kw: said.append(synced_gpus) or input_ids
@@ -5184,16 +5186,10 @@ def test_hf_generate_refuses_a_batch_of_no_row_by_name(family, synced_gpus, monk
     """A batch of no row failed deep in the model's forward (Llama: "cannot reshape tensor of 0 elements"), and under
     ``synced_gpus`` such a rank's spare calls took its first row, of which there is none. dschat's callers never make
     one (step 3 refuses it; the held-out loaders give every rank at least one row a batch): a clear error says so."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from dschat.errors import UsageError
     from dschat.rlhf.trainer import hf_generate
 
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2))
-    else:
-        model = tiny_rwkv()
+    model = _tiny_generator(family)
     tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
     monkeypatch.setattr("dschat.utils.dist.all_reduce", lambda t, op: t.fill_(2))  # (a peer makes 2 calls)
     ids = torch.zeros(0, 3, dtype=torch.long)
