@@ -393,6 +393,37 @@ def test_a_checkpoint_another_step_saved_in_the_folder_is_not_resumed(tmp_path, 
     assert "resumed from step 2 " in capsys.readouterr().out and loads == [1]
 
 
+def test_a_step_2_run_with_a_relative_model_path_resumes_in_its_run_folder_moved_whole(tmp_path, distributed,
+                                                                                       monkeypatch, capsys):
+    """Step 2's own main() (not train.py) given step 1's folder as a relative --model_name_or_path, interrupted past
+    its first checkpoint, its run folder moved and resumed with the relative path of the new place: the checkpoint
+    stored the folder as the first run's working directory resolved it (``flag_values``), the key of its recorded
+    inputs (``input_runs``), so the moved folder is recognised by its run id (``model_path_as_saved``), as train.py's
+    absolute paths are; step 1 trained again into it (another run id) is still refused."""
+    monkeypatch.chdir(tmp_path)
+    common = [*SMALL, "--data_output_path", str(tmp_path / "data")]
+    sft.main([*common, "--model_name_or_path", "tiny-llama", "--max_steps", "1", "--output_dir", "out/step1_sft"])
+
+    def step2(run_folder, *more):
+        return reward.main([*common, "--model_name_or_path", f"{run_folder}/step1_sft", "--output_dir",
+                            f"{run_folder}/step2_rm", "--max_steps", "2", *more])
+
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, 1)
+        with pytest.raises(KeyboardInterrupt):
+            step2("out", "--save_interval", "1")
+    shutil.move("out", "moved")
+    run_args = tmp_path / "moved" / "step1_sft" / "training_args.json"
+    step1_run = json.loads(run_args.read_text())
+    run_args.write_text(json.dumps({**step1_run, "run_id": "step 1 trained again"}))
+    with pytest.raises(UsageError, match=r"--model_name_or_path '.*/out/step1_sft' -> '.*/moved/step1_sft'"):
+        step2("moved", "--resume")
+    run_args.write_text(json.dumps(step1_run))
+    capsys.readouterr()
+    assert step2("moved", "--resume")["steps"] == 2
+    assert "[step2] resumed from step 1 " in capsys.readouterr().out
+
+
 ADVICE_STEP_1 = r"to resume from checkpoint step_0000001, write \{\"tag\": \"step_0000001\"\} into .*latest"
 
 

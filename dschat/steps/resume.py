@@ -97,7 +97,8 @@ def model_path_as_saved(saved, now, inputs):
     checkpoint stored it where the folder named now holds the model its run started from at the stored path
     (``inputs``: the run's recorded ``input_runs``, by run id): a run folder moved whole moves step 1's output, which
     steps 2 and DPO start from, and their checkpoints were refused for its old path (step 3's compares its actor by
-    run id alone, ``check_same_start``)."""
+    run id alone, ``check_same_start``). Both store a folder by its absolute path, as the run's working directory
+    resolved a relative one (``flag_values``, ``input_runs``): a step script given a relative path resumes so too."""
     then, path = saved.get("model_name_or_path"), now.get("model_name_or_path")
     identity = (inputs or {}).get(then) if isinstance(then, str) and isinstance(path, str) and then != path else None
     if identity is not None and holds_model(path, identity):
