@@ -892,6 +892,22 @@ def test_a_name_that_is_no_data_reads_the_same_in_rw_eval_with_data_split_as_wit
     assert said[0] == said[1]
 
 
+def test_a_tools_data_name_close_to_a_known_one_is_told_it(tmp_path, monkeypatch):
+    """A tool's data flag given Dahoas/rm-statik listed the known names without the one meant, where training's
+    --data_path says it (``close_dataset_names_hint``)."""
+    from dschat.tools.records import load_records
+
+    monkeypatch.chdir(tmp_path)
+    for name, meant in (("Dahoas/rm-statik", "Dahoas/rm-static"), ("tiny2", "tiny")):
+        with pytest.raises(MissingInputError) as error:
+            load_records(name, flag="--pairs_file")
+        assert str(error.value).startswith(f"--pairs_file {name}: ") and \
+            str(error.value).endswith(f" (did you mean {meant}?)"), str(error.value)
+    with pytest.raises(MissingInputError) as error:
+        load_records("acme/pairs", flag="--pairs_file")
+    assert "did you mean" not in str(error.value)
+
+
 def test_a_name_that_is_no_hub_dataset_is_not_told_to_download_it(tmp_path, monkeypatch):
     """The tools told a name that is no file and no hub dataset (``nope``) to "give its download, hf download
     --repo-type dataset NAME ...": the advice is for a hub dataset's name (ORG/NAME, as all dschat reads are)."""

@@ -276,15 +276,21 @@ def unknown_dataset_error(dataset_name, flag="--data_path"):
     """A UsageError: a mistyped --data_path (``flag``) ends in "error: ..." and exit status 2, not a traceback. A name
     close to a known one is told it (Dahoas/rm-statik listed every name, the one meant among them), by its spelling
     alone: no hub is asked."""
-    from dschat.args import close_names  # (the names an unknown flag may have meant: the same test)
-
-    meant = close_names(dataset_name, known_dataset_names())
-    hint = f" (did you mean {' or '.join(meant)}?)" if meant else ""
+    hint = close_dataset_names_hint(dataset_name)
     return UsageError(
         f"{f'{flag}: ' if flag else ''}unknown dataset {dataset_name!r}{hint}: not a known name and not an existing "
         f"local path. Known names (matched exactly): {', '.join(known_dataset_names())}. Local data: jsonl:PATH, "
         "json:PATH, parquet:PATH, csv:PATH, disk:PATH (a save_to_disk folder), or an existing "
         ".jsonl/.json/.parquet/.csv file or folder; 'TRAIN,EVAL' gives an explicit eval file.")
+
+
+def close_dataset_names_hint(dataset_name):
+    """" (did you mean NAME?)" for a name close to a known one (``known_dataset_names``), by its spelling alone (no hub
+    is asked), else "": training's unknown name and the tools' data flags say it alike."""
+    from dschat.args import close_names  # (the names an unknown flag may have meant: the same test)
+
+    meant = close_names(dataset_name, known_dataset_names())
+    return f" (did you mean {' or '.join(meant)}?)" if meant else ""
 
 
 def resolve_dataset_spec(dataset_name, flag="--data_path"):

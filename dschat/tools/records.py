@@ -7,7 +7,7 @@ from itertools import islice
 
 from dschat.args import DEFAULT_SEED
 from dschat.data.base import read_or_none
-from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME
+from dschat.data.raw_datasets import HUB_DATASETS, TINY_NAME, close_dataset_names_hint
 from dschat.errors import MissingInputError, UsageError, given_as
 from dschat.report import counted
 from dschat.tiny import EVAL_FILE
@@ -62,13 +62,14 @@ def no_local_data(path, flag=None):
     """The error for a tool's data (``flag``'s) that is no local file or folder nor a hub dataset dschat reads by name
     (``tool_raw_dataset``): "no data file at acme/pairs" named neither the flag nor why. The advice to download it is
     for a hub dataset's name alone (ORG/NAME): ``nope`` was told to download it too."""
+    hint = close_dataset_names_hint(path)  # (at the end: the message begins with the flag and the path as given)
     if not looks_like_hub_dataset(path):
         return MissingInputError(f"{given_as(flag, path)}: no such file, folder or dataset (the tools read local "
                                  "data: a .jsonl/.json/.parquet/.csv file, a folder of them, TYPE:PATH, "
-                                 "local/jsonfile or tiny, or a hub dataset dschat knows by name)")
+                                 f"local/jsonfile or tiny, or a hub dataset dschat knows by name){hint}")
     return MissingInputError(f"{given_as(flag, path)}: no local data file or folder there, nor a hub dataset dschat "
                              f"reads by name ({', '.join(sorted(HUB_DATASETS))}): give its download, hf download "
-                             "--repo-type dataset NAME --local-dir DIR")
+                             f"--repo-type dataset NAME --local-dir DIR{hint}")
 
 
 # a hub dataset's name, ORG/NAME (letters, digits, '-', '_', '.'), as every one dschat reads (HUB_DATASETS) is
