@@ -378,8 +378,10 @@ def step_flags_hint(unknown):
     lines = []
     for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
         steps_spelling = "--" + flag[2:].replace("-", "_")  # (train.py's --lora-dim: the steps spell it --lora_dim)
-        taking = scripts_taking(flag) or scripts_taking(steps_spelling)
-        spelled = f" (spelled {steps_spelling} there)" if steps_spelling != flag and not scripts_taking(flag) else ""
+        taking = scripts_taking(flag)
+        spelled = ""
+        if not taking and steps_spelling != flag:
+            taking, spelled = scripts_taking(steps_spelling), f" (spelled {steps_spelling} there)"
         if flag in TRAIN_PY_NAMES:
             lines.append(f"  {flag}: train.py's {TRAIN_PY_NAMES[flag]}")
         elif taking:
