@@ -3487,6 +3487,24 @@ def _check_json_in_child(args):
     return list(lines), key_orders.as_json()
 
 
+def test_key_orders_are_written_the_same_whether_gathered_by_a_check_or_read_from_a_kept_one():
+    """``_KeyOrders.as_json`` wrote a place's orders in its set's order, which follows how the set was filled: the
+    process that checked a JSON file and one that read the kept check gave the same orders in different orders (CI
+    failed on it once in ~16 runs). They are sorted now."""
+    import itertools
+
+    from dschat.data import reading
+
+    gathered = reading._KeyOrders()
+    for keys in itertools.permutations("abcd"):  # (24 orders: some share a slot of the set's table, whatever the seed)
+        gathered.add({"meta": dict.fromkeys(keys, 1)})
+    kept = json.loads(json.dumps(gathered.as_json()))
+    read = reading._KeyOrders()
+    read.add_kept({"meta": [[place, orders[::-1]] for place, orders in kept["meta"]]})  # (filled the other way)
+    assert read.as_json() == kept
+    assert kept["meta"][0][1] == sorted(kept["meta"][0][1])
+
+
 def test_the_processes_of_a_node_check_a_json_file_once(tmp_path, monkeypatch):
     """On a first run every rank of a node checked the same JSON file at once (allenai/c4's en: ~5 h of CPU each),
     where the pass one keeps is read by the others. They take turns now (the kept hashes' lock per bucket): two

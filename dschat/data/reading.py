@@ -1028,8 +1028,10 @@ class _KeyOrders:
                     self._add(places, inside, item)
 
     def as_json(self):
-        """The orders gathered, as JSON ({column: [[place, [keys, ...]], ...]}: ``checked_json`` keeps them)."""
-        return {name: [[list(place), [list(keys) for keys in orders]] for place, orders in places.items()]
+        """The orders gathered, as JSON ({column: [[place, [keys, ...]], ...]}: ``checked_json`` keeps them). A place's
+        orders are sorted: a set's order follows how it was filled, so the process that checked a file and one that
+        read the kept check would write the same orders in different orders."""
+        return {name: [[list(place), [list(keys) for keys in sorted(orders)]] for place, orders in places.items()]
                 for name, places in self.orders.items()}
 
     def add_kept(self, kept):
