@@ -996,6 +996,50 @@ def test_the_commands_dschat_gives_for_a_compressed_file_work_on_a_path_with_a_s
         assert len(raw(str(here / written), tmp_path).raw_datasets["train"]) == len(RECORDS), (name, command)
 
 
+@pytest.mark.parametrize("name", ["train.csv", "train.jsonl", "train.json"])
+def test_a_parquet_file_named_as_text_is_told_the_name_to_give_it(tmp_path, name):
+    """A Parquet file named train.csv or train.jsonl in a dataset folder was read as text: "not UTF-8 text (byte 0xd4
+    at column 8); save the file as UTF-8", which is not the fix. It is told by its first bytes (b"PAR1") now, the file
+    named with the name to give it; the command given makes the folder read as Parquet. Given as TYPE:PATH under its
+    own name, the type to give is said."""
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    path = folder / name
+    pd.DataFrame(RECORDS).to_parquet(path)
+    with pytest.raises(DatasetFormatError, match=rf"{re.escape(str(path))}: the file is a Parquet file, not "
+                                                 rf"{name.split('.')[1]}: name it so \((mv .*\.parquet)\), and it is "
+                                                 r"read as parquet$") as error:
+        raw(str(folder), tmp_path)
+    subprocess.run(re.search(r"\((mv .*)\)", str(error.value)).group(1), shell=True, check=True)
+    assert raw(str(folder), tmp_path).raw_datasets["train"]["prompt"] == [record["prompt"] for record in RECORDS]
+    with pytest.raises(DatasetFormatError, match=r"train\.parquet: the file is a Parquet file, not csv: give it as "
+                                                 r"parquet:\S+train\.parquet$"):
+        raw(f"csv:{folder / 'train.parquet'}", tmp_path)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_arrow_or_feather_file_named_as_data_is_told_how_to_write_it_as_parquet(tmp_path, version):
+    """An Arrow IPC (Feather v2) or Feather v1 file named x.csv was read as text, its NUL bytes said "UTF-16?". It is
+    told by its first bytes now: dschat reads neither, and the command given writes the Parquet file it reads."""
+    import subprocess
+
+    import pyarrow
+    import pyarrow.feather
+
+    path = tmp_path / "x.csv"
+    pyarrow.feather.write_feather(pyarrow.table(pd.DataFrame(RECORDS)), str(path), version=version)
+    what = {1: "a Feather v1 file", 2: r"an Arrow IPC \(Feather v2\) file"}[version]
+    with pytest.raises(DatasetFormatError, match=rf"x\.csv: the file is {what}, not csv, and dschat does not read "
+                                                 r"it: write it as Parquet \(python -c .*\) and give the file that "
+                                                 r"writes$") as error:
+        raw(str(path), tmp_path)
+    command = re.search(r"\((python -c .*)\) and give", str(error.value)).group(1)
+    subprocess.run(command, shell=True, check=True)
+    assert len(raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]) == len(RECORDS)
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

@@ -59,6 +59,30 @@ DECOMPRESSORS = {compression.extension: compression.module for compression in CO
 PACKED_JSON = tuple(DECOMPRESSORS)  # (their extensions: a JSON file named so, x.jsonl.gz, is read decompressed)
 
 
+@dataclass(frozen=True)
+class BinaryTable:
+    """A binary table file, told by its first bytes (``magic``, as a compression's) whatever its name: a Parquet file
+    named train.csv or train.jsonl was read as text, "not UTF-8 text (byte 0xd4 at column 8)", and an Arrow file's NULs
+    said "UTF-16?". ``what``: its words; ``kind``: the data type dschat reads it as, by its ``extension``
+    (EXTENSION_TYPES), None for one it does not read."""
+    what: str
+    extension: str
+    magic: bytes
+    kind: str | None = None
+
+
+# by name: what pandas' to_parquet and to_feather write (Feather v2 is an Arrow IPC file)
+BINARY_TABLES = {"parquet": BinaryTable("a Parquet file", ".parquet", rb"PAR1", "parquet"),
+                 "arrow": BinaryTable("an Arrow IPC (Feather v2) file", ".arrow", rb"ARROW1"),
+                 "feather": BinaryTable("a Feather v1 file", ".feather", rb"FEA1")}
+
+
+def told_by_magic(formats, head):
+    """The name of the format of ``formats`` ({name: a Compression or BinaryTable}) whose magic the first bytes
+    ``head`` start with, else None."""
+    return next((name for name, held in formats.items() if re.match(held.magic, head)), None)
+
+
 def data_file_extensions(path):
     """(the extension of the file's data type, that of its compression or ""): train.jsonl.gz: (".jsonl", ".gz")."""
     stem, last = os.path.splitext(path)
@@ -498,22 +522,49 @@ def check_folder_not_compressed(folder, where=None):
 def compressed_with(path, head=None):
     """The tool that compressed the file at ``path`` (``COMPRESSIONS``: told by its first HEAD_BYTES, ``head`` where
     read already: ``HashedFile.head``), else None."""
-    if head is None:
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
-    return next((tool for tool, compression in COMPRESSIONS.items() if re.match(compression.magic, head)), None)
+    return told_by_magic(COMPRESSIONS, _head_of(path) if head is None else head)
 
 
-def check_compression_read(kind, path, where=None, head=None):
-    """A data file of ``kind`` compressed otherwise than as JSON named so (``PACKED_JSON``: train.jsonl.gz, read
-    decompressed, ``open_data_file``) is an error saying so (``compressed_error``): read as text it was 'not UTF-8
-    text ... save the file as UTF-8'. ``where``: how the error names ``path``; ``head``: its first bytes where read
-    already (``compressed_with``)."""
+def _head_of(path):
+    """The first HEAD_BYTES of the file at ``path``."""
+    with open(path, "rb") as f:
+        return f.read(HEAD_BYTES)
+
+
+def check_bytes_read_as(kind, path, where=None, head=None):
+    """A data file of ``kind`` whose first bytes say it is not read so is an error saying what it is: compressed
+    otherwise than as JSON named so (``PACKED_JSON``: train.jsonl.gz, read decompressed, ``open_data_file``;
+    ``compressed_error``), read as text it was 'not UTF-8 text ... save the file as UTF-8'; or a binary table file of
+    another kind (``binary_table_error``: a Parquet file named train.csv). ``where``: how the error names ``path``;
+    ``head``: its first bytes where read already (``HashedFile.head``)."""
     if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
         return
+    head = _head_of(path) if head is None else head
     tool = compressed_with(path, head)
     if tool:
         raise compressed_error(path, tool, where, kind)
+    table = told_by_magic(BINARY_TABLES, head)
+    if table and BINARY_TABLES[table].kind != kind:
+        raise binary_table_error(path, kind, BINARY_TABLES[table], where)
+
+
+def binary_table_error(path, kind, table, where=None):
+    """The error for the file at ``path``, read as ``kind``, that is the binary ``table`` (a BinaryTable): one dschat
+    reads is told the name to give it (train.csv: ``mv train.csv train.parquet``, in ``compressed_error``'s words), or,
+    named so already (given as TYPE:PATH), the type to give; another is told the command that writes it as Parquet.
+    ``where``: how the error names ``path``."""
+    said = f"{where or path}: the file is {table.what}, not {kind}"
+    if table.kind is None:
+        parquet = os.path.splitext(path)[0] + ".parquet"
+        code = (f"import pyarrow.feather as feather, pyarrow.parquet as pq; "
+                f"pq.write_table(feather.read_table({path!r}), {parquet!r})")
+        return DatasetFormatError(f"{said}, and dschat does not read it: write it as Parquet "
+                                  f"(python -c {shlex.quote(code)}) and give the file that writes")
+    stem, extension = os.path.splitext(path)
+    if extension.lower() == table.extension:
+        return DatasetFormatError(f"{said}: give it as {table.kind}:{path}")
+    return DatasetFormatError(f"{said}: name it so ({rename_command(path, stem + table.extension)}), and it is read "
+                              f"as {table.kind}")
 
 
 # A JSON or JSON Lines file's check that passed (``checked_json``) is kept by the file's content (its sha256), in
@@ -680,9 +731,9 @@ def load_file(kind, path):
     # (its load's key, and a JSON file's check's: found once, again only where the file was written while it was
     # checked; its first bytes (compressed? its text's encoding) read in the same open, a compressed file refused by
     # them before it is read whole)
-    hashed = file_digest_and_stamp(path, check_head=lambda head: check_compression_read(kind, path, head=head))
+    hashed = file_digest_and_stamp(path, check_head=lambda head: check_bytes_read_as(kind, path, head=head))
     if hashed.head is None:  # (a hub blob: its hash is its name, the file not opened)
-        check_compression_read(kind, path)
+        check_bytes_read_as(kind, path)
     key_orders = _KeyOrders()  # (a JSON file's: gathered as it is checked, its one parse in Python)
     if kind in ("json", "jsonl"):
         record_lines, hashed = checked_json(kind, path, key_orders, hashed)

@@ -33,7 +33,7 @@ from .base import splits_said
 from .digests import all_files, file_digest_and_stamp
 from .errors import DatasetFormatError
 from .fields import EVAL_SPLIT_NAMES, EXTENSION_TYPES, LOCAL_TYPES, files_where
-from .reading import (COMPRESSED_EXTENSIONS, PACKED_JSON, _is_saved_dataset, check_compression_read,
+from .reading import (COMPRESSED_EXTENSIONS, PACKED_JSON, _is_saved_dataset, check_bytes_read_as,
                       check_folder_not_compressed, data_file_extensions, held_compression, load_split_files,
                       misnamed_compressed_error)
 
@@ -230,7 +230,7 @@ def _typed_source(kind, paths_text, spec, flag):
     for file_kind, paths in ((source.kind, source.train_files), (source.eval_type, source.eval_files)):
         for path in paths:  # (said here, with the flag, before any step runs: loading said the file alone)
             if os.path.isfile(path):
-                check_compression_read(file_kind, path, data_spec_where(spec, path, flag))
+                check_bytes_read_as(file_kind, path, data_spec_where(spec, path, flag))
     return source
 
 

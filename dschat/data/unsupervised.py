@@ -19,7 +19,7 @@ from .base import hub_cache_snapshot, load_hub_dataset_else_download, splits_sai
 from .digests import all_files, file_digest
 from .errors import DatasetFormatError
 from .pipeline import print_skip_lines
-from .reading import (COMPRESSED_EXTENSIONS, caused_by, check_compression_read, compressed_with, decompress_command,
+from .reading import (COMPRESSED_EXTENSIONS, caused_by, check_bytes_read_as, compressed_with, decompress_command,
                       holds_no_bytes, load_content_keyed, load_file, not_utf8_error, only_blank_lines, record_where,
                       text_encoding)
 from .sources import data_spec_where
@@ -187,11 +187,11 @@ def check_unsupervised_file(name, config_name=None):
 
 def check_local_file(name, kind, path):
     """A local ``--unsupervised_dataset_name`` file dschat cannot read is an error naming the flag: compressed
-    otherwise than JSON named so (docs.jsonl.gz, read decompressed) or a .txt, which the text reader decompresses
-    (``check_compression_read``; the error named the file alone, when step 3 loaded it), or without text
-    (``check_has_text``)."""
+    otherwise than JSON named so (docs.jsonl.gz, read decompressed) or a .txt, which the text reader decompresses, or
+    a binary table not of its type (a Parquet file named docs.jsonl) (``check_bytes_read_as``; the error named the
+    file alone, when step 3 loaded it), or without text (``check_has_text``)."""
     if kind != "text":
-        check_compression_read(kind, path, data_spec_where(name, path, "--unsupervised_dataset_name"))
+        check_bytes_read_as(kind, path, data_spec_where(name, path, "--unsupervised_dataset_name"))
     check_has_text(name, kind, path)
 
 
