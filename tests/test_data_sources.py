@@ -3236,6 +3236,27 @@ def test_kept_content_hashes_of_files_gone_or_written_since_are_pruned_now_and_t
     assert not os.path.exists(live_memo)
 
 
+def test_a_kept_hash_naming_a_path_with_a_nul_is_pruned_as_junk_not_a_crash(tmp_path):
+    """A kept entry's path with a NUL (a hand-corrupted entry: no file has one) made os.stat raise ValueError, which
+    pruning did not expect: the process writing a kept hash crashed. Such an entry names no file there is, and is
+    removed as one of a file gone; the others are pruned as before."""
+    from dschat.data import digests
+
+    folder = digests._digest_memo_folder()
+    live = tmp_path / "live.jsonl"
+    live.write_text("live")
+    stamp = digests._stat_stamp(os.stat(live))
+    entries = {name: os.path.join(folder, "ab", name * 64) for name in "abc"}
+    os.makedirs(os.path.dirname(entries["a"]))
+    for name, named in (("a", [str(tmp_path / "no\0such.jsonl"), *stamp]),  # (json writes the NUL as \u0000)
+                        ("b", [[str(live), *stamp], ["\0", *stamp]]),  # (a kept pass naming two files)
+                        ("c", [str(live), *stamp])):
+        with open(entries[name], "w") as f:
+            f.write("0" * 64 + "\n" + json.dumps(named))
+    digests.prune_kept_digests(folder)
+    assert [name for name, memo in sorted(entries.items()) if os.path.exists(memo)] == ["c"]
+
+
 def test_the_ranks_of_a_node_hash_a_data_file_once(tmp_path):
     """On a first run every rank hashed the same data files at once (c4's shards: ~300 GB, read whole by each), where
     the hash one computes is kept for the others. They take turns now (a file lock per bucket of the kept hashes):

@@ -289,10 +289,11 @@ def _stale_entry(entry, now):
 
 
 def _gone_or_written(path, stamp):
-    """Whether the file at ``path`` is gone, or has another stamp than ``stamp`` (its device number aside)."""
+    """Whether the file at ``path`` is gone, or has another stamp than ``stamp`` (its device number aside). A path no
+    file can have (a NUL in it: a hand-corrupted entry; os.stat raises ValueError) is of a file gone."""
     try:
         now_stamp = _stat_stamp(os.stat(path))
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, ValueError):
         return True
     return now_stamp[1:] != stamp[1:]
 
