@@ -598,11 +598,10 @@ def checked_json(kind, path, key_orders, hashed):
                 check = check_jsonl_lines if kind == "jsonl" else check_json_document
                 record_lines = check(path, key_orders, text_encoding(path, hashed.head))
                 shared = shared_digest(path)  # (its stamp now: the kept pass's, no stat)
-                if shared.stamp != hashed.stamp:  # (written since it was hashed: the hash is of other content)
-                    return record_lines, file_digest_and_stamp(path)
-                if shared.sha256 == digest:
+                as_read = _hashed_as_read(path, hashed, shared.stamp)  # (written since it was hashed: hashed again)
+                if as_read is hashed and shared.sha256 == digest:  # (``hashed`` itself: not written since)
                     _keep_passed_check(memo, [(path, shared.stamp)], _check_as_kept(record_lines, key_orders))
-                return record_lines, hashed
+                return record_lines, as_read
     key_orders.add_kept(kept["key_orders"])
     return _record_lines_kept(kept["lines"], path), hashed
 
@@ -854,10 +853,11 @@ def csv_record_lines(path, head=None):
 
 
 def _hashed_as_read(path, hashed, read_stamp):
-    """``hashed`` (the file's HashedFile, found before it was read), or where the file's stamp when read
-    (``read_stamp``) is another (written since), its hash found again: the load's Arrow cache is keyed by it
-    (``load_content_keyed``), and keyed by the hash found before the read, it cached the new content under the old
-    content's name. (A hub blob, hashed by its name, has no stamp: its hash is its name's.)"""
+    """``hashed`` (the file's HashedFile, found before it was read: a CSV's record lines, a JSON file's check,
+    ``checked_json``), or where the file's stamp when read (``read_stamp``) is another (written since), its hash found
+    again: the load's Arrow cache is keyed by it (``load_content_keyed``), and keyed by the hash found before the
+    read, it cached the new content under the old content's name. (A hub blob, hashed by its name, has no stamp: its
+    hash is its name's.)"""
     if hashed.stamp is None or read_stamp == hashed.stamp:
         return hashed
     return file_digest_and_stamp(path)
