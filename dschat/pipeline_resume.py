@@ -32,7 +32,8 @@ from dschat.run_layout import CHECKPOINTS_DIR, FINISHED_MARK, RECIPE_STEP_FOLDER
 from dschat.steps.common import (MODEL_PATH_FLAGS, OUTSIDE_MODEL_IDENTITY, REWARD_FN_FILE, STEP_VERSION,
                                  STEP_VERSION_CHANGES, STEP_VERSIONS, data_files_as_recorded, family_changes_reaching,
                                  finished_run_id, holds_model, listed_data_flags, loaded_model_types, model_identity,
-                                 older_step_version, read_run_args, spared_by_versions_since, step1_loss_weighing)
+                                 older_step_version, read_run_args, record_cwd, spared_by_versions_since,
+                                 step1_loss_weighing)
 from dschat.utils.checkpoints import DATA_FILES, HUB_DATA, LATEST, UNSUPERVISED_DATA, latest_tag, read_trainer_state
 
 SKIP, RESUME, FRESH = "skip", "resume", "fresh"
@@ -142,7 +143,7 @@ def _step_decision(step, steps, recipe, output_dir, flags, plan, rm_from_sft, re
     record = read_run_args(folder)
     current = made_from.current(finished_time(folder), record)
     reshaped = same_batches_on_other_ranks(step, record, flags, world_size)
-    differing, alike = weigh_step1_loss_agg([name for name in changed_flags(record, flags)
+    differing, alike = weigh_step1_loss_agg([name for name in changed_flags(record, flags, folder)
                                              if name not in reshaped], step, record, flags, world_size)
     ignored = weightless_differences(differing, step_name(recipe, step), record, flags)
     changed = [name for name in differing if name not in ignored]
@@ -183,7 +184,7 @@ def _step_decision(step, steps, recipe, output_dir, flags, plan, rm_from_sft, re
         # (a longer run trains on from a checkpoint only: without one it starts over)
         extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
         return Decision(FRESH, f"its finished output in {folder} had other values of "
-                               f"{', '.join(said_change(name, record, flags) for name in changed)}" + extends)
+                               f"{', '.join(said_change(name, record, flags, folder) for name in changed)}" + extends)
     if inputs:
         plural = "s" if len(inputs) > 1 else ""
         return Decision(FRESH, f"{folder} holds no finished output nor checkpoint made from the present "
@@ -421,15 +422,16 @@ def finished_time(folder):
     return os.path.getmtime(path) if os.path.isfile(path) else None
 
 
-def changed_flags(record, flags):
-    """The flags whose value now differs from the one the step recorded (``record``: its training_args.json, written
-    through JSON, anything else as a string); every flag when there is no record. A model that was a step output is
-    the same while that folder holds the same finished run (by run id), wherever the run folder is now."""
+def changed_flags(record, flags, folder):
+    """The flags whose value now differs from the one the step recorded (``record``: its training_args.json in
+    ``folder``, written through JSON, anything else as a string; its relative paths from ``record_cwd``); every flag
+    when there is no record. A model that was a step output is the same while that folder holds the same finished
+    run (by run id), wherever the run folder is now."""
     now = json.loads(json.dumps(vars(flags), default=str))
     names = [name for name in now if name not in NOT_COMPARED and not name.startswith("_")]
     if record is None:
         return names
-    recorded, then = recorded_flags_now(record.get("flags", {}), record.get("step")), record.get("cwd", os.getcwd())
+    recorded, then = recorded_flags_now(record.get("flags", {}), record.get("step")), record_cwd(record, folder)
     return sorted(name for name in names if name in recorded and (
         (_differs(name, recorded[name], now[name], then, record.get("inputs", {}))
          and not _moved_with_output(name, recorded, now, then))
@@ -600,9 +602,9 @@ def _edited_reward_fn(record, flags):
     return None if now is not None and now[1] == saved[1] else saved[0]  # (by content, as data files)
 
 
-def said_change(name, record, flags):
+def said_change(name, record, flags, folder):
     """``--name``, and why when its value is as before: a --reward_fn file edited since, or a model folder whose
-    model is another since."""
+    model is another since (``record``: the training_args.json in ``folder``)."""
     then, now = record.get("flags", {}).get(name), getattr(flags, name, None)
     edited = _edited_reward_fn(record, flags) if name == "reward_fn" and then == now else None
     if edited is not None:
@@ -611,7 +613,7 @@ def said_change(name, record, flags):
         # (the same value, which weighs the tokens otherwise on another split: ``step1_loss_weighing``)
         return f"--{name} ({now} weighs each micro-batch's mean alike: a step's micro-batches are split otherwise now)"
     same_folder = name in MODEL_PATH_FLAGS and isinstance(then, str) and isinstance(now, str) and \
-        _as_path(name, then, record.get("cwd", os.getcwd())) == _as_path(name, now, os.getcwd())
+        _as_path(name, then, record_cwd(record, folder)) == _as_path(name, now, os.getcwd())
     if not same_folder:
         return f"--{name}"
     if not (os.path.isdir(now) and model_identity(now)):

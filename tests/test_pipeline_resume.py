@@ -1480,6 +1480,54 @@ def test_data_path_is_compared_by_the_files_it_reads_not_its_text(tmp_path, monk
                                                                       "had other values of --data_path")
 
 
+def test_a_record_without_cwd_reads_its_relative_paths_from_where_its_output_dir_led_in_all_three_places(
+        tmp_path, monkeypatch):
+    """A training_args.json from before dschat recorded "cwd" had its relative paths read from the working folder of
+    train.py --resume, wherever that was: resumed from another folder, the step's same data file was another value
+    (trained again), its model folder was said as a plain change, and step 3's reward model family was unknown (every
+    version change reached it). Its relative --output_dir names the folder it ran in (``record_cwd``): the same in
+    the three places that read those paths; the present folder where it cannot be told."""
+    from dschat.pipeline_resume import changed_flags, said_change
+    from dschat.steps.common import output_model_types, record_cwd
+
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    (repo / "data").mkdir(parents=True)
+    (repo / "data" / "qa.jsonl").write_text('{"prompt": "Why?", "chosen": "Because."}\n')
+    (repo / "models" / "base").mkdir(parents=True)  # (no model in it now)
+    (repo / "models" / "rm").mkdir()
+    (repo / "models" / "rm" / "config.json").write_text('{"model_type": "gpt2"}')
+    elsewhere.mkdir()
+    out = repo / "output"
+    finish(out, 1, 100, ("a", []), output_dir="output/step1_sft", data_path=["jsonl:data/qa.jsonl"],
+           model_name_or_path="models/base")
+    record = json.loads((out / FOLDERS[1] / "training_args.json").read_text())
+    record["inputs"] = {str(repo / "models" / "base"): "base-run"}  # (made from a step output since removed)
+    (out / FOLDERS[1] / "training_args.json").write_text(json.dumps(record))
+    assert "cwd" not in record
+    monkeypatch.chdir(elsewhere)
+    assert record_cwd(record, str(out / FOLDERS[1])) == str(repo)
+    now = Namespace(**{**vars(FLAGS), "output_dir": str(out / FOLDERS[1]),
+                       "data_path": [str(repo / "data" / "qa.jsonl")],
+                       "model_name_or_path": str(repo / "models" / "base")})
+    # changed_flags: the same data file; said_change: the same model folder, which holds no model now
+    assert changed_flags(record, now, str(out / FOLDERS[1])) == ["model_name_or_path"]
+    assert plan_steps([1], "ppo", str(out), {1: now})[1] == (
+        FRESH, f"its finished output in {out / FOLDERS[1]} had other values of --model_name_or_path (the folder "
+               f"{repo / 'models' / 'base'} holds no finished model now)")
+    assert said_change("model_name_or_path", record, now, str(out / FOLDERS[1])).endswith(
+        "holds no finished model now)")
+    # output_model_types: step 3's reward model (which it does not save) read from the same folder
+    step3 = {"step": "step3", "flags": {"output_dir": "./output/step3_ppo/", "reward_model_name_or_path": "models/rm"}}
+    assert output_model_types(str(out / FOLDERS[3]), step3) == frozenset({"gpt2"})
+    # where the folder it ran in cannot be told, the present one is the guess, in the three places alike
+    for cannot in ("/old/output/step3_ppo", "../output/step3_ppo", "renamed/step3_ppo", None):
+        assert record_cwd({"flags": {"output_dir": cannot}}, str(out / FOLDERS[3])) == str(elsewhere), cannot
+    assert output_model_types(str(out / FOLDERS[3]), {**step3, "flags": {**step3["flags"], "output_dir": "renamed"}}) \
+        is None
+    assert record_cwd({"flags": {"output_dir": "."}}, str(repo)) == str(repo)
+    assert record_cwd({"cwd": "/old", "flags": {"output_dir": "output/step1_sft"}}, str(out / FOLDERS[1])) == "/old"
+
+
 def test_a_step1_output_recorded_before_its_loss_agg_took_the_micro_batches_mean_and_trains_again(tmp_path):
     """Step 1's --loss_agg (default global_token_mean) came with no step version bump: an output recorded before it
     (no loss_agg among its flags) took each micro-batch's own mean, today's token_mean, and was skipped as the same

@@ -526,7 +526,7 @@ def output_model_types(folder, record):
     types = [_model_type_in(path) for path in folders if os.path.isdir(path)]
     flags = _recorded(record)
     if record.get("step") == "step3" and flags.get("reward_model_weight", 1.0):  # (0: it scored with none)
-        types.append(_model_type_in(_reward_model_path(flags, record.get("cwd", os.getcwd()))))
+        types.append(_model_type_in(_reward_model_path(flags, record_cwd(record, folder))))
     return _known_families(types)
 
 
@@ -1014,6 +1014,37 @@ def read_run_args(folder, step=None):
     "run_id", "inputs"}: its flags, number of ranks, working directory, run ids), else None."""
     record = read_json_object(os.path.join(folder, RUN_ARGS_FILE))
     return record if record is not None and step in (None, record.get("step")) else None
+
+
+def record_cwd(record, folder):
+    """The working folder the relative paths of ``record`` (a step's training_args.json, read from ``folder``) were
+    read from: its "cwd". A record from before dschat kept it was written by a process whose working folder is
+    unknown, and the present one's is a guess; but the record lies in that process's --output_dir, so where its
+    --output_dir is relative and ends in ``folder``'s own names, that working folder is the one ``folder`` lies at
+    --output_dir from (--output_dir output/step1_sft, the record in /r/output/step1_sft: /r), wherever the run is
+    resumed from. Else (an absolute --output_dir, one climbing with "..", a folder renamed since) it cannot be told:
+    the present working folder, the guess that a run is resumed from where it ran."""
+    cwd = record.get("cwd")
+    if isinstance(cwd, str):
+        return cwd
+    output_dir = (record.get("flags") or {}).get("output_dir")
+    return _folder_reached_from(output_dir, folder) or os.getcwd()
+
+
+def _folder_reached_from(relative, folder):
+    """The folder from which the relative path ``relative`` leads to ``folder`` by its names, else None."""
+    if not isinstance(relative, str) or not relative or os.path.isabs(relative):
+        return None
+    tidy = os.path.normpath(relative)
+    names = [] if tidy == os.curdir else tidy.split(os.sep)
+    if os.pardir in names:  # (the name of the folder it climbed from is unknown)
+        return None
+    here = os.path.abspath(folder)
+    for name in reversed(names):
+        here, last = os.path.split(here)
+        if last != name:
+            return None
+    return here
 
 
 def progress(iterable, total, desc):
