@@ -116,7 +116,8 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
     of this run (None: the process group's); ``errors_of``: step -> a context manager its refusals are raised
     through (train.py's: they name the flags as its user typed them, ``pipeline.says_train_py_flags``). Rank 0's: a
     step's save that a kill stopped while it replaced the step's folder (``checkpoint.finish_interrupted_swap``) is
-    finished first."""
+    finished first. A step it would start afresh in a folder whose last checkpoint another step saved is refused
+    (``keep_another_steps_checkpoints``), as one it would resume is."""
     from dschat.utils.dist import get_world_size
 
     world_size = get_world_size() if world_size is None else world_size
@@ -126,6 +127,8 @@ def plan_steps(steps, recipe, output_dir, parsed, rm_from_sft=True, ready_reward
         with errors_of(step):
             plan[step] = _step_decision(step, steps, recipe, output_dir, parsed[step], plan, rm_from_sft,
                                         ready_reward_model, world_size)
+            if plan[step].action == FRESH:
+                keep_another_steps_checkpoints(step, recipe, _folder(output_dir, recipe, step), plan[step].why)
     return plan
 
 
@@ -133,12 +136,12 @@ def _step_decision(step, steps, recipe, output_dir, flags, plan, rm_from_sft, re
     """``plan_steps``' Decision for ``step`` (``flags``: its parsed flags now), after the steps before it (``plan``)."""
     from dschat.models.checkpoint import recover_interrupted_saves
 
+    folder = _folder(output_dir, recipe, step)
+    recover_interrupted_saves(folder)  # (its checkpoints went with the folder a kill stopped a save swapping)
     inputs = step_inputs(recipe, step, rm_from_sft, ready_reward_model)
     rerun = [s for s in inputs if s in plan and plan[s].action != SKIP]
     if rerun:
         return Decision(FRESH, f"it starts from step {rerun[-1]}'s new output")
-    folder = _folder(output_dir, recipe, step)
-    recover_interrupted_saves(folder)  # (its checkpoints went with the folder a kill stopped a save swapping)
     made_from = InputCheck([_folder(output_dir, recipe, s) for s in inputs])
     record = read_run_args(folder)
     current = made_from.current(finished_time(folder), record)
@@ -243,20 +246,47 @@ def older_checkpoint(step, steps, recipe, folder, families=None):
     step runs: the step found another step's or a newer dschat's checkpoint when it started, after the steps before it
     had run. Returns "" for this dschat's, the words to add to the step's line for an older dschat's (resumed, as the
     step's own --resume does)."""
-    from dschat.utils.checkpoints import check_same_step, older_dschats_checkpoint
+    from dschat.utils.checkpoints import older_dschats_checkpoint
 
     root, name = os.path.join(folder, CHECKPOINTS_DIR), step_name(recipe, step)
     tag = latest_tag(root)
+    other = another_steps_checkpoint(step, recipe, folder)
+    if other is not None:
+        raise refused_under_train_py(other, step, steps)
+    older = older_dschats_checkpoint(root, tag, name, f"Resume it with that dschat, or train step {step} afresh with "
+                                                      f"this one ({afresh_flags(step, steps)})", families)
+    return f"; {older}" if older else ""
+
+
+def another_steps_checkpoint(step, recipe, folder):
+    """The step's own --resume refusal (``check_same_step``) of the last checkpoint in ``folder`` where another step
+    saved it, with advice train.py's user can follow; None where there is none, or it is ``step``'s (or cannot be
+    told apart: one from before checkpoints recorded their step)."""
+    from dschat.utils.checkpoints import check_same_step
+
+    root = os.path.join(folder, CHECKPOINTS_DIR)
+    tag = latest_tag(root)
+    if tag is None:
+        return None
     # (train.py gives each step its folder: "its own --output_dir", a step script's advice, is no flag of its user's)
     keep = (f"train.py keeps only step {step}'s checkpoints there (another run given that folder, or a copy?); to keep "
             f"these, move {root} out of train.py's --output-dir before the next --resume")
     try:
-        check_same_step(root, tag, name, keep)
+        check_same_step(root, tag, step_name(recipe, step), keep)
     except UsageError as error:
-        raise refused_under_train_py(error, step, steps) from None
-    older = older_dschats_checkpoint(root, tag, name, f"Resume it with that dschat, or train step {step} afresh with "
-                                                      f"this one ({afresh_flags(step, steps)})", families)
-    return f"; {older}" if older else ""
+        return error
+    return None
+
+
+def keep_another_steps_checkpoints(step, recipe, folder, why):
+    """Refuse the plan's fresh start of ``step`` (for ``why``) in ``folder`` whose last checkpoint another step saved:
+    starting afresh, the step removes the checkpoints there (``clear_earlier_run``, saying only "an earlier run's"), so
+    another run's work given that folder went unnamed, though the same checkpoint is refused where the plan resumes
+    the step (``older_checkpoint``). Kept: moved out (or removed, to let them go) before the next --resume."""
+    other = another_steps_checkpoint(step, recipe, folder)
+    if other is not None:
+        raise UsageError(f"{STEP_AFRESH_CLOSE.sub('', str(other))}, or remove it to let them go: train.py --resume "
+                         f"starts step {step} afresh ({why}), which removes the checkpoints in its folder")
 
 
 def refuse_other_bound_flags(step, steps, folder, checkpoint, flags):

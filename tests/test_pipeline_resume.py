@@ -367,6 +367,33 @@ def test_an_interrupted_steps_checkpoint_of_another_dschat_is_said_or_refused_by
     assert plan_steps([2], "dpo", str(tmp_path), {2: FLAGS})[2] == (RESUME, "it was interrupted")
 
 
+def test_another_steps_checkpoint_in_a_folder_the_plan_starts_afresh_is_refused_not_removed_unnamed(tmp_path):
+    """Another step's checkpoint in a step's folder was refused where the plan resumed the step, but where it started
+    the step afresh (the checkpoint not made from the present outputs, or a step before it trained again) the plan
+    said only "starts afresh" and the step removed them as "an earlier run's checkpoints". Refused alike before any
+    step runs, naming them, why the step starts afresh and how to keep them or let them go; the step's own stale
+    checkpoint still starts afresh."""
+    finish(tmp_path, 1, 100), finish(tmp_path, 2, 200), checkpoint(tmp_path, 3, 150)  # (saved before step 2 finished)
+    root = tmp_path / FOLDERS[3] / "checkpoints"
+    state_file = Path(trainer_folder(str(root), "iter_0000001")) / "state.json"
+    assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: FRESH}, "its own stale checkpoint: afresh (the step removes it)"
+    state_file.write_text(json.dumps(this_checkpoint(1)))
+    refusal = (rf"^--resume: the last checkpoint in {re.escape(str(root))} \(iter_0000001\) was saved by step1, not "
+               r"step3: train.py keeps only step 3's checkpoints there \(another run given that folder, or a copy\?\); "
+               rf"to keep these, move {re.escape(str(root))} out of train.py's --output-dir before the next --resume, "
+               r"or remove it to let them go: train.py --resume starts step 3 afresh \({}\), which removes the "
+               r"checkpoints in its folder$")
+    with pytest.raises(UsageError, match=refusal.format(re.escape(f"{tmp_path / FOLDERS[3]} holds no finished output "
+                                                                  "nor checkpoint made from the present outputs of "
+                                                                  "steps 1, 2"))):
+        plan(tmp_path)
+    with pytest.raises(UsageError, match=refusal.format("it starts from step 2's new output")):
+        plan(tmp_path, step2=Namespace(**{**vars(FLAGS), "seed": 2}))
+    assert (root / "latest").is_file(), "nothing removed"
+    shutil.move(str(root), str(tmp_path / "kept"))
+    assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: FRESH}
+
+
 def test_an_older_dschats_checkpoint_trains_afresh_where_a_change_reaches_its_models_families(tmp_path):
     """train.py --resume resumed an older dschat's interrupted checkpoint whatever change since reached it (no folder:
     the families of its models unknown), with a note: an RWKV step 2 resumed from one of version 1 finished as an
