@@ -7,6 +7,7 @@ import argparse
 import functools
 import math
 import os
+import re
 import sys
 
 from dschat.errors import UsageError
@@ -436,10 +437,24 @@ def without_flags_given_in(parser, argv, later):
     return kept
 
 
+# A token argparse reads as a negative number (a value) rather than a flag: "-" and a digit, or "-." and a digit, in any
+# float spelling (-1e-3, -1E+2, -.5e-1), Python 3.14's rule. Before it, argparse took only -1 and -.5 forms, so
+# ``--entropy_coef -1e-3`` said "expected one argument" unless given as ``--entropy_coef=-1e-3``.
+NEGATIVE_NUMBER = re.compile(r"-\.?\d")
+
+
 class HintingParser(SaidOnceParser):
     """An unrecognized flag is the first error said, with the flags it may have meant (``flags_meant``): argparse
     named no flag for ``chat.py --max-new-tokens 5`` or train.py's ``--actor_model`` (its flags are spelled with
-    "-", the steps' with "_"), and told ``rw_eval.py --model X`` only that --model_name_or_path is required."""
+    "-", the steps' with "_"), and told ``rw_eval.py --model X`` only that --model_name_or_path is required. A
+    negative number in any float spelling is a value (``NEGATIVE_NUMBER``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (a private attribute of argparse's: a Python without it keeps its own rule; argparse still reads such a
+        # token as a flag where the parser has an option that looks like a negative number, -1)
+        if hasattr(self, "_negative_number_matcher"):
+            self._negative_number_matcher = NEGATIVE_NUMBER
 
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else args

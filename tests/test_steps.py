@@ -637,11 +637,12 @@ def test_train_py_says_how_to_pass_a_steps_flag_typed_in_train_pys_spelling(caps
            "--step2-args" in err, err
 
 
-# argparse reads "-1e-5" after a flag as another flag ("expected one argument"): such values go after "="
+# "-1e-5" after a flag is its value (argparse before Python 3.14 took it for another flag: "expected one argument")
 @pytest.mark.parametrize("parser, flag, value", [
     ("step1_parser", "--learning_rate", "-1"), ("step1_parser", "--lora_learning_rate", "inf"),
+    ("step1_parser", "--learning_rate", "-1e-3"), ("step2_parser", "--learning_rate", "-1E+2"),
     ("step2_parser", "--learning_rate", "-0.1"), ("step2_dpo_parser", "--learning_rate=", "-1e-5"),
-    ("step3_parser", "--actor_learning_rate", "x"), ("step3_parser", "--critic_learning_rate=", "-1e-5"),
+    ("step3_parser", "--actor_learning_rate", "x"), ("step3_parser", "--critic_learning_rate", "-1e-5"),
     ("step3_parser", "--actor_lora_learning_rate", "-0.5"), ("step3_parser", "--critic_lora_learning_rate", "-2"),
     ("step3_parser", "--actor_learning_rate", "nan")])
 def test_negative_learning_rates_are_errors_naming_the_flag(parser, flag, value, capsys):
@@ -655,6 +656,33 @@ def test_negative_learning_rates_are_errors_naming_the_flag(parser, flag, value,
     assert f"argument {flag}: expected a number >= 0, got {shown}" in capsys.readouterr().err
     assert getattr(getattr(args, parser)().parse_args([flag, "2e-5"]), flag[2:]) == 2e-5
     assert getattr(getattr(args, parser)().parse_args([flag, "0"]), flag[2:]) == 0.0, "0 freezes, as in torch"
+
+
+@pytest.mark.parametrize("value, number", [("-1e-3", -0.001), ("-1E+2", -100.0), ("-.5e-1", -0.05), ("-2", -2.0),
+                                           ("-0.5", -0.5)])
+def test_a_negative_number_in_any_float_spelling_is_a_flags_value(value, number):
+    """Step 3's flags that take a negative number (an entropy penalty, a reward source's weight flipped) read it in
+    any float spelling: "--entropy_coef -1e-3" said "expected one argument" (argparse took "-1e-3" for a flag)."""
+    from dschat.args import step3_parser
+
+    parsed = step3_parser().parse_args(["--entropy_coef", value, "--reward_model_weight", value])
+    assert (parsed.entropy_coef, parsed.reward_model_weight) == (number, number)
+
+
+def test_an_unknown_flag_before_a_negative_number_is_said_with_it(capsys):
+    """The number after an unknown flag is its value: the error names both, and no flag for "-1e-3"."""
+    from dschat.args import step3_parser
+
+    with pytest.raises(SystemExit):
+        step3_parser().parse_args(["--entropy_coeff", "-1e-3"])
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: --entropy_coeff -1e-3" in err and "-1e-3:" not in err, err
+    assert "--entropy_coeff: did you mean --entropy_coef?" in err, err
+    with pytest.raises(SystemExit):
+        _train_py_args("--entropy_coef", "-1e-3")
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: --entropy_coef -1e-3" in err and "-1e-3:" not in err, err
+    assert "--entropy_coef: a flag of step 3; give it to train.py inside --step3-args" in err, err
 
 
 def test_a_negative_learning_rate_in_a_settings_dict_is_refused():
@@ -686,7 +714,8 @@ def test_train_py_refuses_a_negative_learning_rate_before_the_first_step(tmp_pat
 
     for module in (sft, reward, ppo):  # a step that starts is already the failure
         monkeypatch.setattr(module, "main", lambda argv: pytest.fail("a step ran"))
-    for step, flag in ((1, "--learning_rate -1"), (2, "--lora_learning_rate -1"), (3, "--critic_learning_rate=-1e-5")):
+    for step, flag in ((1, "--learning_rate -1"), (2, "--lora_learning_rate -1"), (3, "--critic_learning_rate -1e-5"),
+                       (3, "--actor_learning_rate=-1e-5")):
         args = _train_py_args("--output-dir", str(tmp_path / "out"), f"--step{step}-args", flag)
         with pytest.raises(SystemExit):
             pipeline.run_pipeline(args)
