@@ -57,7 +57,7 @@ def step_args_as_values(argv):
 
 
 def parse_args(argv=None):
-    from dschat.args import LOCAL_RANK_FLAGS, HintingParser, repeated_flags
+    from dschat.args import HintingParser, add_hidden_local_rank, repeated_flags
 
     # whole flag names only, as in the step scripts: a prefix (--output for --output-dir) is an error, not a guess
     p = HintingParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -111,7 +111,7 @@ def parse_args(argv=None):
     p.add_argument("--hostfile", help="multi_node: the deepspeed launcher's hostfile (default /job/hostfile).")
     for step in (1, 2, 3):
         p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")
-    p.add_argument(*LOCAL_RANK_FLAGS, type=int, default=-1, help=argparse.SUPPRESS)
+    add_hidden_local_rank(p)
     argv = step_args_as_values(argv)
     repeated = repeated_flags(p, argv)
     if repeated:  # (argparse keeps the last one's values and drops the others', unsaid: --step 2 --step 3 ran step 3

@@ -188,6 +188,12 @@ def _bounded_int(text, low, what):
 LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
 
 
+def add_hidden_local_rank(parser):
+    """``LOCAL_RANK_FLAGS`` taken and left out of --help, for a script that reads no rank from it (train.py, the
+    tools): ``deepspeed chat.py ...`` passed --local_rank=0, refused as an unrecognized argument."""
+    parser.add_argument(*LOCAL_RANK_FLAGS, type=int, default=-1, help=argparse.SUPPRESS)
+
+
 def add_data_args(parser, default_split="2,4,4"):
     g = parser.add_argument_group("data")
     g.add_argument("--data_path", nargs="*", default=["tiny"],

@@ -1247,19 +1247,25 @@ def test_a_flag_typed_with_a_pasted_dash_names_the_flag_it_spells(capsys):
 
 def test_the_local_rank_that_torch_distributed_launch_appends_is_taken(capsys):
     """torch.distributed.launch (torch 2) appends --local-rank=N to each rank's command line, deepspeed's launcher
-    --local_rank=N: the steps, train.py and ppo_eval refused the first as an unrecognized argument."""
+    --local_rank=N: the steps, train.py and ppo_eval refused the first as an unrecognized argument; chat.py, rw_eval
+    and prompt_eval both (``deepspeed chat.py --path X`` stopped at once)."""
     import runpy
 
     from launch import REPO
 
     from dschat.args import step1_parser, step3_parser
-    from dschat.tools.ppo_eval import build_parser
+    from dschat.tools import chat, ppo_eval, prompt_eval, rw_eval
 
     train = runpy.run_path(str(REPO / "train.py"))
+    tools = ((chat.build_parser, ["--path", "x"]), (ppo_eval.build_parser, ["--policy", "x"]),
+             (rw_eval.build_parser, ["--model_name_or_path", "x"]),
+             (prompt_eval.build_parser, ["--model_name_or_path_baseline", "x", "--model_name_or_path_finetune", "y"]))
     for parse, given in ((step1_parser().parse_args, []), (step3_parser().parse_args, []),
-                         (train["parse_args"], []), (build_parser().parse_args, ["--policy", "x"])):
-        for spelling in ("--local-rank=1", "--local_rank=1"):
-            assert parse([*given, spelling]).local_rank == 1
+                         (train["parse_args"], []), *((build().parse_args, given) for build, given in tools)):
+        for spelling in ("--local-rank=1", "--local_rank=1", "--local_rank=0"):
+            assert parse([*given, spelling]).local_rank == int(spelling[-1])
+    for build, _ in tools:  # (the launcher's, not the user's: --help leaves it out, as train.py's)
+        assert "--local" not in build().format_help()
 
 
 def test_train_py_names_the_dpo_step_for_a_dpo_flag(capsys):

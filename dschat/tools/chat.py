@@ -7,7 +7,7 @@ the same text format it was trained on (its chat template, else "Human:/Assistan
 import sys
 
 from dschat.data.formatting import HUMAN_PREFIX, uses_chat_template
-from dschat.args import HintingParser
+from dschat.args import HintingParser, add_hidden_local_rank
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
 from dschat.tools.common import (add_generation_args, add_loading_args, check_generation_flags,
@@ -188,6 +188,7 @@ def build_parser():
                              "transcript, as prompt_eval and rw_eval read it), print the answer and exit.")
     add_loading_args(parser)
     add_generation_args(parser, sample_by_default=True)
+    add_hidden_local_rank(parser)
     return parser
 
 

@@ -11,7 +11,7 @@ import json
 import os
 from types import SimpleNamespace
 
-from dschat.args import (DEFAULT_SEED, LOCAL_RANK_FLAGS, HintingParser, add_data_args, non_negative_int,
+from dschat.args import (DEFAULT_SEED, HintingParser, add_data_args, add_hidden_local_rank, non_negative_int,
                          positive_int, resolve_pad_to_multiple_of, seed_int)
 from dschat.data.pipeline import as_list
 from dschat.data.raw_datasets import anchored_data_path, is_tiny_data
@@ -205,7 +205,7 @@ def build_parser():
     parser.add_argument("--num_examples", type=non_negative_int, default=3,
                         help="Example answers printed and saved per policy (default: %(default)s).")
     parser.add_argument("--output_json", default=None, type=non_empty_path, help="Write the results here.")
-    parser.add_argument(*LOCAL_RANK_FLAGS, type=int, default=-1, help=argparse.SUPPRESS)
+    add_hidden_local_rank(parser)
     add_loading_args(parser)
     return parser
 

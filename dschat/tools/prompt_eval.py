@@ -6,7 +6,7 @@ default from the embedded held-out data (also ``--prompts_file tiny``), whose an
 bundled rule scorer.
 """
 
-from dschat.args import DEFAULT_SEED, HintingParser, positive_int
+from dschat.args import DEFAULT_SEED, HintingParser, add_hidden_local_rank, positive_int
 from dschat.data.formatting import render_human_assistant
 from dschat.errors import UsageError
 from dschat.models.positions import context_limit
@@ -156,6 +156,7 @@ def build_parser():
     compat.add_argument("--language", choices=["English", "Chinese", "Japanese"], default=None,
                         help="Its built-in prompts' language: here the prompts are --prompts, --prompts_file or the "
                              "embedded English ones.")
+    add_hidden_local_rank(parser)
     return parser
 
 

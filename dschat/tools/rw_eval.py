@@ -8,7 +8,8 @@ from collections import Counter
 
 import torch
 
-from dschat.args import DEFAULT_SEED, HintingParser, non_negative_int, positive_int, seed_int
+from dschat.args import (DEFAULT_SEED, HintingParser, add_hidden_local_rank, non_negative_int, positive_int,
+                         seed_int)
 from dschat.data.collators import pad_sequences
 from dschat.data.formatting import get_eot_token, render_human_assistant
 from dschat.data import pipeline
@@ -180,6 +181,7 @@ def build_parser():
                              "the last real token found from the attention mask, so it has no effect "
                              "(default: %(default)s).")
     add_loading_args(parser)
+    add_hidden_local_rank(parser)
     return parser
 
 
