@@ -57,10 +57,10 @@ def step_args_as_values(argv):
 
 
 def parse_args(argv=None):
-    from dschat.args import HintingParser, add_hidden_local_rank, repeated_flags
+    from dschat.args import TrainPyParser, add_hidden_local_rank, repeated_flags
 
     # whole flag names only, as in the step scripts: a prefix (--output for --output-dir) is an error, not a guess
-    p = HintingParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = TrainPyParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--step", type=int, nargs="+", choices=[1, 2, 3], default=[1, 2, 3],
                    help="Which steps to run (e.g. --step 2 3; default: all the recipe has).")
     p.add_argument("--actor-model", type=model_name, default="tiny-llama",
@@ -118,9 +118,7 @@ def parse_args(argv=None):
         # alone, a second --step3-args string dropped the first's flags; the steps refuse theirs given twice too)
         p.error(f"given more than once: {', '.join(repeated)}; give each once, with all its values (--step 2 3, "
                 "--data-path A B, one --stepN-args string holding all of that step's flags)")
-    args, unknown = p.parse_known_args(argv)
-    if unknown:
-        p.error(f"unrecognized arguments: {' '.join(unknown)}{unknown_flags_hint(p, unknown)}")
+    args = p.parse_args(argv)
     from dschat.pipeline import recipe_steps
 
     runs, not_run = recipe_steps(args.recipe, args.step)
@@ -150,19 +148,6 @@ def parse_args(argv=None):
     args.actor_zero_stage = default_stage if args.actor_zero_stage is None else args.actor_zero_stage
     args.reward_zero_stage = default_stage if args.reward_zero_stage is None else args.reward_zero_stage
     return args
-
-
-def unknown_flags_hint(parser, unknown):
-    """A line for each unrecognized flag: a step's flag, how to pass it (``step_flags_hint``); else train.py's own
-    that it may have meant, ``--actor_model`` for ``--actor-model`` (the steps spell their flags with "_"); a flag
-    typed with a pasted typographic dash (``–recipe``), the flag it spells."""
-    from dschat.pipeline import step_flags_hint
-
-    lines = [f"\n  {said}" for said in map(parser.typed_dash_hint, unknown) if said]
-    for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
-        meant = parser.flag_hint(flag)  # (in the words the steps' and the tools' errors say it)
-        lines.append(step_flags_hint([flag]) or (f"\n  {meant}" if meant else ""))
-    return "".join(lines)
 
 
 def stage_flags_no_step_reads(args, runs):

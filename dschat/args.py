@@ -489,9 +489,13 @@ class HintingParser(SaidOnceParser):
             self.error(f"unrecognized arguments: {' '.join(unknown)}{self.hint(unknown)}")
 
     def hint(self, unknown):
-        said = [self.flag_hint(arg.split("=")[0]) if arg.startswith("--") else self.typed_dash_hint(arg)
-                for arg in unknown]
-        return f" ({'; '.join(filter(None, said))})" if any(said) else ""
+        """What the unrecognized tokens ``unknown`` may be, a line each under argparse's error (the one layout of
+        the steps', the tools' and train.py's): "" if nothing is known of any."""
+        return "".join(f"\n  {said}" for said in map(self.token_hint, unknown) if said)
+
+    def token_hint(self, token):
+        """What the unrecognized token ``token`` may be, in words, or None."""
+        return self.flag_hint(token.split("=", 1)[0]) if token.startswith("--") else self.typed_dash_hint(token)
 
     def typed_dash_hint(self, token):
         """A flag typed with a typographic dash (``–learning_rate``: "--" as a web page or word processor shows it),
@@ -587,10 +591,20 @@ class StepParser(HintingParser):
         return f"{given}: a flag of {' and '.join(steps)}" if steps else None
 
 
+class TrainPyParser(HintingParser):
+    """train.py's parser: an unrecognized flag that a step takes, or that train.py spells otherwise, says how to pass
+    it (``pipeline.step_flag_hint``)."""
+
+    def flag_hint(self, given):
+        from dschat.pipeline import step_flag_hint
+
+        return step_flag_hint(given) or super().flag_hint(given)
+
+
 def scripts_taking(flag):
     """(name, step number, folder under training/, train.py's option passing it) of each step script whose parser
     takes ``flag``: the one place that works out which steps take a flag (``steps_taking``, train.py's
-    ``pipeline.step_flags_hint``)."""
+    ``pipeline.step_flag_hint``)."""
     scripts = (("step 1", 1, step1_parser, "step1_sft", "--step1-args"),
                ("step 2", 2, step2_parser, "step2_rm", "--step2-args"),
                ("DPO", 2, step2_dpo_parser, "step2_dpo", "--step2-args with --recipe dpo"),

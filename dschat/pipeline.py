@@ -371,25 +371,24 @@ def says_train_py_flags(step, args, argv=None):
         raise
 
 
-def step_flags_hint(unknown):
-    """For train.py's unrecognized arguments: which of them are flags of the step scripts, and how to pass them."""
+def step_flag_hint(flag):
+    """For a flag train.py does not take: train.py's option for it, or the steps that take it and how to pass it to
+    them, in words; else None."""
     from dschat.args import scripts_taking
 
-    lines = []
-    for flag in (token.split("=", 1)[0] for token in unknown if token.startswith("--")):
-        steps_spelling = "--" + flag[2:].replace("-", "_")  # (train.py's --lora-dim: the steps spell it --lora_dim)
-        taking = scripts_taking(flag)
-        spelled = ""
-        if not taking and steps_spelling != flag:
-            taking, spelled = scripts_taking(steps_spelling), f" (spelled {steps_spelling} there)"
-        if flag in TRAIN_PY_NAMES:
-            lines.append(f"  {flag}: train.py's {TRAIN_PY_NAMES[flag]}")
-        elif taking:
-            steps = ", ".join(map(str, dict.fromkeys(step for _, step, _, _ in taking)))
-            where = " / ".join(option for _, _, _, option in taking)
-            lines.append(f"  {flag}: a flag of step {steps}{spelled}; give it to train.py inside {where} "
-                         f"(one quoted string each), or run the step's training/.../main.py")
-    return "\n" + "\n".join(lines) if lines else ""
+    if flag in TRAIN_PY_NAMES:
+        return f"{flag}: train.py's {TRAIN_PY_NAMES[flag]}"
+    steps_spelling = "--" + flag[2:].replace("-", "_")  # (train.py's --lora-dim: the steps spell it --lora_dim)
+    taking = scripts_taking(flag)
+    spelled = ""
+    if not taking and steps_spelling != flag:
+        taking, spelled = scripts_taking(steps_spelling), f" (spelled {steps_spelling} there)"
+    if not taking:
+        return None
+    steps = ", ".join(map(str, dict.fromkeys(step for _, step, _, _ in taking)))
+    where = " / ".join(option for _, _, _, option in taking)
+    return (f"{flag}: a flag of step {steps}{spelled}; give it to train.py inside {where} (one quoted string each), "
+            "or run the step's training/.../main.py")
 
 
 def check_step_args(steps, args, tiny, parsers):

@@ -592,7 +592,7 @@ def test_a_flag_of_another_step_or_a_misspelling_names_the_flags_meant(capsys):
                                  (step1_parser, "--max_seq_lne", "--max_seq_len")):
         with pytest.raises(SystemExit):
             parser().parse_args([given, "8"])
-        assert f"unrecognized arguments: {given} 8 ({given}: did you mean {meant}?)" in capsys.readouterr().err
+        assert f"unrecognized arguments: {given} 8\n  {given}: did you mean {meant}?\n" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         step3_parser().parse_args(["--zzz", "1"])
     assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzz 1")
@@ -608,12 +608,32 @@ def test_a_flag_only_another_step_takes_names_that_step(capsys):
                                   "step 1 (training/step1_sft/main.py) and DPO (training/step2_dpo/main.py)")):
         with pytest.raises(SystemExit):
             parser().parse_args([given])
-        assert f"unrecognized arguments: {given} ({given}: a flag of {steps})" in capsys.readouterr().err
+        assert f"unrecognized arguments: {given}\n  {given}: a flag of {steps}\n" in capsys.readouterr().err
     in_train_py = step1_parser()
     in_train_py.prog = "train.py --step1-args"  # (as train.py names it: there the step's option is what to give)
     with pytest.raises(SystemExit):
         in_train_py.parse_args(["--print_answers"])
-    assert "(--print_answers: a flag of step 3 (--step3-args))" in capsys.readouterr().err
+    assert "\n  --print_answers: a flag of step 3 (--step3-args)\n" in capsys.readouterr().err
+
+
+def test_train_py_the_steps_and_the_tools_say_unknown_flags_hints_in_one_layout(capsys):
+    """train.py said each hint on a line of its own (a pasted dash's first), the steps and the tools all of them in
+    one parenthesis: one layout now, a line each under the error, in the order given."""
+    from dschat.args import step1_parser
+    from dschat.tools import chat
+
+    typed = "begins with a typographic dash, not '--'; did you mean"
+    for parse, given, unknown, said in (
+            (lambda argv: _train_py_args(*argv), [], ["--actor_model", "x", "\u2013recipe", "dpo"],
+             ["--actor_model: did you mean --actor-model?", f"\u2013recipe: {typed} --recipe?"]),
+            (step1_parser().parse_args, [], ["--max_seq_lne", "8", "\u2013lora_dim", "2"],
+             ["--max_seq_lne: did you mean --max_seq_len?", f"\u2013lora_dim: {typed} --lora_dim?"]),
+            (chat.build_parser().parse_args, ["--path", "x"], ["--max-new-tokens", "5", "--pat", "y"],
+             ["--max-new-tokens: did you mean --max_new_tokens?", "--pat: did you mean --path?"])):
+        with pytest.raises(SystemExit):
+            parse([*given, *unknown])
+        assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {' '.join(unknown)}\n"
+                                                + "".join(f"  {line}\n" for line in said))
 
 
 def test_train_py_says_how_to_pass_a_flag_only_dpo_takes(capsys):
