@@ -3634,6 +3634,105 @@ def test_a_splits_records_that_passed_are_not_read_again_for_the_same_content_an
 
 
 
+def _mixed_type_records(texts=("id", "7")):
+    """RECORDS with a column of mixed types: a number in every other record, text in the others (a text that is JSON,
+    "7", among them: it stays text)."""
+    return [{**record, "meta": i if i % 2 else texts[i % 4 // 2]} for i, record in enumerate(RECORDS)]
+
+
+def _parses_counted(monkeypatch):
+    """The files that ``reading._json_records`` (the json module's parse of a whole file that rebuilds its mixed-type
+    columns) parses, as a list to read and clear."""
+    from dschat.data import reading
+
+    parsed, parse = [], reading._json_records
+    monkeypatch.setattr(reading, "_json_records", lambda kind, path: parsed.append(path) or parse(kind, path))
+    return parsed
+
+
+def test_a_files_mixed_type_columns_are_not_parsed_again_for_the_same_content_and_reading(tmp_path, monkeypatch):
+    """A column of mixed types is rebuilt from the json module's parse of the whole file (``_exact_json_dataset``:
+    datasets' Json type read the text "7" as the number 7), which every load made again (5-9 s of each warm load of
+    100 MB of JSON Lines on 2 busy CPU cores), though the file's check and its datasets load were kept by its
+    content. The rebuilt records are kept in datasets' cache by the file's content, how it is read and dschat.data's
+    code: a later process parses none of it; another reading of it (as json, not jsonl; other code) or another
+    content parses it again, and its new values are read."""
+    from dschat.data import digests, reading
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    parsed = _parses_counted(monkeypatch)
+    path = write_records(_mixed_type_records(), tmp_path / "train.jsonl", "jsonl")
+
+    def meta_in_a_new_process(kind="jsonl"):
+        digests.forget_file_digests()
+        parsed.clear()
+        data, _ = reading.load_file(kind, path)
+        return list(data["meta"]), len(parsed)
+
+    written = [record["meta"] for record in _mixed_type_records()]
+    assert meta_in_a_new_process() == (written, 1)
+    assert meta_in_a_new_process() == (written, 0)
+    assert meta_in_a_new_process("json") == (written, 1)  # (another reading of it)
+    with monkeypatch.context() as code:
+        code.setattr(reading, "_data_code_digest", lambda: "other code")
+        assert meta_in_a_new_process() == (written, 1)
+    rewritten = [record["meta"] for record in _mixed_type_records(texts=("no", "[1]"))]
+    write_records(_mixed_type_records(texts=("no", "[1]")), tmp_path / "train.jsonl", "jsonl")
+    assert [meta_in_a_new_process() for _ in range(2)] == [(rewritten, 1), (rewritten, 0)]
+
+
+def test_a_shards_mixed_type_columns_are_not_parsed_again_for_the_same_content(tmp_path, monkeypatch):
+    """A shard whose column is text alone, beside a shard where it has mixed types, is rebuilt as that one is
+    (``_json_columns_alike``), from its parse: kept as a file's, by its content."""
+    from dschat.data import digests, reading
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    parsed = _parses_counted(monkeypatch)
+    records = _mixed_type_records()
+    texts = [{**record, "meta": f"{i}"} for i, record in enumerate(RECORDS)]
+    paths = [write_records(records, tmp_path / "train-00000-of-00002.jsonl", "jsonl"),
+             write_records(texts, tmp_path / "train-00001-of-00002.jsonl", "jsonl")]
+
+    def meta_in_a_new_process():
+        digests.forget_file_digests()
+        parsed.clear()
+        data, _ = reading.load_split_files("jsonl", paths)
+        return list(data["meta"]), sorted(parsed)
+
+    written = [record["meta"] for record in records + texts]
+    assert meta_in_a_new_process() == (written, sorted(paths))
+    assert meta_in_a_new_process() == (written, [])
+
+
+def test_a_files_mixed_type_columns_written_while_parsed_are_kept_under_no_content(tmp_path, monkeypatch):
+    """A file written after it was hashed, before its mixed-type columns were parsed (or while), would keep the new
+    records under the hash of the content it had before: put back as it was, that content would be read as the records
+    written meanwhile. Nothing is kept then; the load gets the records as the file has them now."""
+    from dschat.data import digests, reading
+
+    on_file_system(monkeypatch, tmp_path, "ext4")  # (a file system whose change time a write sets)
+    monkeypatch.setattr(digests, "RACY_WINDOW_NS", 0)  # (as if written long before)
+    before, after = _mixed_type_records(), _mixed_type_records(texts=("no", "[1]"))
+    path = write_records(before, tmp_path / "train.jsonl", "jsonl")
+    parse = reading._json_records
+
+    def written_while_parsed(kind, parsed_path):
+        write_records(after, tmp_path / "train.jsonl", "jsonl")
+        return parse(kind, parsed_path)
+
+    digests.forget_file_digests()
+    with monkeypatch.context() as writer:
+        writer.setattr(reading, "_json_records", written_while_parsed)
+        data, _ = reading.load_file("jsonl", path)
+    assert list(data["meta"]) == [record["meta"] for record in after]
+    write_records(before, tmp_path / "train.jsonl", "jsonl")
+    digests.forget_file_digests()
+    data, _ = reading.load_file("jsonl", path)
+    assert list(data["meta"]) == [record["meta"] for record in before]
+
+
 def test_a_splits_records_pass_is_pruned_once_any_of_its_files_is_written(tmp_path, monkeypatch):
     """A split's records' pass named its first file alone for pruning (``prune_kept_digests``): a pass of shards whose
     second was written since, which no process reads again (kept by the old content's hash), stayed for as long as

@@ -1122,27 +1122,77 @@ def _struct_keys_among(feature, keys):
 
 def _exact_json_dataset(kind, path, features, also=()):
     """The file's records with every value exactly as written, for a file with mixed-type columns (and the columns
-    ``also``, of objects datasets reordered).
+    ``also``, of objects datasets reordered); ``features``: datasets' own for the file (its columns, in its order).
 
     For a column whose values have different types in different records (e.g. a string in most records and
     a number in one), datasets infers a ``Json`` feature, which stores a string that is itself valid JSON
     as that JSON: the string "1" comes back as the number 1, "null" as None. Such columns are rebuilt here
     from the json module's records, each value JSON-encoded, so strings stay strings and a bad value is
     reported at its own record.
+
+    The records rebuilt are kept in datasets' cache (``Dataset.from_generator``, memory-mapped) under a fingerprint of
+    the file's content, how it is read and dschat.data's code (``_exact_json_fingerprint``): the parse and the build,
+    5-9 s of each 7.5-14 s warm load of 100 MB of JSON Lines on 2 busy CPU cores (``bench/data_warm_load.py``), were
+    made by every load, though the file's check and its datasets load were kept by its content. A file written while
+    it is parsed keeps nothing (``_WrittenWhileParsed``).
     """
-    from datasets import Dataset, Features, Json
+    from datasets import Dataset
+
+    exact = _exact_json_features(features, also)
+    hashed = file_digest_and_stamp(path)
+    rows = functools.partial(_exact_json_rows, kind, path, exact, hashed.stamp)
+    try:
+        return Dataset.from_generator(rows, features=exact,
+                                      fingerprint=_exact_json_fingerprint(kind, path, hashed.sha256, exact))
+    except Exception as err:  # (datasets wraps what the generator raises)
+        if not caused_by(err, _WrittenWhileParsed):
+            raise
+    # (written meanwhile, rarely: the file as it is now, parsed again, kept nowhere)
+    return Dataset.from_list(list(_exact_json_rows(kind, path, exact, None)), features=exact)
+
+
+def _exact_json_features(features, also):
+    """datasets' ``features`` of a JSON file with its mixed-type columns and those of ``also`` as ``Json``: their
+    values are JSON-encoded by ``_exact_json_rows``."""
+    from datasets import Features, Json
+
+    return Features({name: Json() if _has_json_feature(feature) or name in also else feature
+                     for name, feature in features.items()})
+
+
+class _WrittenWhileParsed(Exception):
+    """The file was written while ``_exact_json_rows`` parsed it: its rows are not the content it was hashed as."""
+
+
+def _exact_json_rows(kind, path, features, stamp):
+    """The records of the JSON file at ``path`` as rows of ``features``' columns (``_exact_json_features``), a Json
+    column's values JSON-encoded. ``stamp``: the file's where it was hashed (None: not compared); where it has another
+    after the parse, _WrittenWhileParsed, before a row is given (kept under that hash, they would be another
+    content's)."""
+    from datasets import Json
 
     records = _json_records(kind, path)
-    columns = {}
+    if stamp is not None and _stat_stamp(os.stat(path)) != stamp:
+        raise _WrittenWhileParsed(path)
+    encoded = {name for name, feature in features.items() if isinstance(feature, Json)}
     for record in records:
-        for name in record:
-            columns.setdefault(name, None)
-    mixed = {name for name in columns if name not in features or _has_json_feature(features[name]) or name in also}
-    data = {name: [record.get(name) for record in records] for name in columns}
-    for name in mixed:
-        data[name] = [None if value is None else json.dumps(value, ensure_ascii=False) for value in data[name]]
-    exact = Features({name: Json() if name in mixed else features[name] for name in columns})
-    return Dataset.from_dict(data, features=exact)
+        yield {name: _json_text(record.get(name)) if name in encoded else record.get(name) for name in features}
+
+
+def _json_text(value):
+    return None if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def _exact_json_fingerprint(kind, path, digest, features):
+    """The fingerprint that ``_exact_json_dataset`` keeps a file's rebuilt records under: its content's sha256
+    (``digest``), how it is read (its kind, its compression by name, the ``features`` rebuilt), dschat.data's code and
+    the versions of datasets and pyarrow that wrote them."""
+    import datasets
+    import pyarrow
+
+    key = json.dumps([_data_code_digest(), datasets.__version__, pyarrow.__version__, kind,
+                      data_file_extensions(path)[1].lower(), digest, features.to_dict()], default=repr)
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def load_saved_dataset(path):
@@ -1228,8 +1278,7 @@ def _json_columns_alike(kind, paths, parts):
     if not mixed or kind not in ("json", "jsonl"):
         return parts
     return [(part if all(_has_json_feature(part.features[name]) for name in mixed if name in part.features) else
-             _exact_json_dataset(kind, path, {name: feature for name, feature in part.features.items()
-                                              if name not in mixed}), lines)
+             _exact_json_dataset(kind, path, part.features, also=mixed), lines)
             for path, (part, lines) in zip(paths, parts)]
 
 
