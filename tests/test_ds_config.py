@@ -150,6 +150,23 @@ def test_zero3_layer_units_only_where_the_largest_module_list_is_the_decoder_sta
     assert mark_zero3_leaf_layers(heads) == 0, "mixed classes"
 
 
+def test_ranks_gathering_submodule_by_submodule_refused_only_where_a_family_calls_others_by_length():
+    """RecurrentGemma's one-token prompt reads conv_1d's weight where a longer one calls conv_1d: ZeRO-3 gathering
+    submodule by submodule on several ranks would gather other weights (tests/scripts/hybrid_zero3_recurrent.py).
+    Refused there only: not on one rank, not with whole layers as units, not for a family whose calls do not vary."""
+    from dschat.models.layers import check_ranks_gather_alike, mark_zero3_leaf_layers
+    from tests.helpers import tiny_recurrent_gemma_actor
+    from tests.scripts.hybrid_common import tiny_model
+
+    model = tiny_recurrent_gemma_actor()
+    with pytest.raises(ValueError, match="conv_1d.*--zero3_fetch layer"):
+        check_ranks_gather_alike(model, 2)
+    check_ranks_gather_alike(model, 1)
+    check_ranks_gather_alike(tiny_model("llama"), 2)
+    assert mark_zero3_leaf_layers(model) == 2
+    check_ranks_gather_alike(model, 2)
+
+
 def test_zero3_fetch_flag_defaults_to_layer_in_every_step():
     assert step1_parser().parse_args([]).zero3_fetch == "layer"
     assert step1_parser().parse_args(["--zero3_fetch", "module"]).zero3_fetch == "module"

@@ -54,12 +54,16 @@ def test_recurrent_rows_answer_as_alone_under_zero3_without_pinned_parameters_on
     prompt length together without their padding, as one rank does, and makes spare decodes while the other rank has
     more lengths (2 and 4: without them the ranks hang); greedy answers as alone, with an EOS too; a rank whose batch
     decodes as it is (no padding; a hole, warned of) beside one of 4 lengths; the spare decodes leave the sampling
-    generator as they found it. The timeout turns a hang into a failure."""
+    generator as they found it. With --zero3_fetch module (each submodule gathering its own weights) rank 1's
+    one-token prompt read conv_1d's weight where rank 0's called conv_1d: the ranks' gathers differed and gloo
+    aborted; that is refused on both ranks (``layers.check_ranks_gather_alike``), and pinned the rows answer as
+    alone. The timeout turns a hang into a failure."""
     proc = run_deepspeed(Path(__file__).parent / "scripts" / "hybrid_zero3_recurrent.py", "--folder",
                          tmp_path / "recurrent_gemma", timeout=300)
     for rank in (0, 1):
         for line in ("rows answer as alone", "rows answer as alone with an EOS", "a batch as it is beside prompt "
-                     "lengths", "spare decodes leave the generator alone"):
+                     "lengths", "spare decodes leave the generator alone", "module fetch unpinned refused",
+                     "module fetch pinned rows answer as alone"):
             assert f"rank {rank} {line}: OK" in proc.stdout, (rank, line, proc.stdout[-3000:])
     # warned of once, at rank 0's holed batch (the one it decodes as it is): its padded batches before went apart
     warning = "warning: the actor on RecurrentGemmaForCausalLM generates from left-padded prompts"

@@ -32,10 +32,11 @@ import warnings
 import torch
 from torch import nn
 
-from dschat.models.layers import decoder_layer_list
+from dschat.models.layers import check_ranks_gather_alike, decoder_layer_list
 from dschat.models.lora import (active_adapters, head_trains_untied, lora_layers, merged_fp32, plain_named, unwrap_peft,
                                 weight_deltas)
 from dschat.models.zero3 import gathered, is_zero3_param
+from dschat.utils.dist import get_world_size
 
 
 def layer_index(param_name, layers_prefix):
@@ -398,6 +399,7 @@ def build_inference_weights(training_module, hybrid_config, zero_stage, device, 
         return InferenceCopy(training_module, device, hybrid_config.tp_gather_partition_size,
                              share_unadapted=zero_stage < 3, tp=tp)
     if zero_stage == 3 and not hybrid_config.pin_parameters:
+        check_ranks_gather_alike(training_module, get_world_size())
         return TrainingModuleWeights(training_module, gathers_in_forward=True)
     if zero_stage == 3:
         return InferenceCopy(training_module, device, hybrid_config.tp_gather_partition_size)

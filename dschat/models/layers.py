@@ -65,3 +65,38 @@ def mark_zero3_leaf_layers(model):
             layer.register_forward_pre_hook(_first_input_requires_grad)
             layer._dschat_zero3_unit = True
     return len(layers or ())
+
+
+# Families (config.model_type) whose decoder layers call other submodules, or read a submodule's weight without
+# calling it, as the number of tokens a forward takes changes. Under ZeRO-3 fetching submodule by submodule
+# (``--zero3_fetch module``) each submodule gathers its own weights as it is called, a collective: ranks that forward
+# other lengths at once (each rank's own prompts, under ZeRO-3 without pinned parameters) then gather other weights
+# (gloo: "Received data size doesn't match expected size"; NCCL: a hang). A whole layer as one unit gathers the same
+# weights whatever the layer calls inside. Listed: nothing in the config tells.
+CALLS_VARY_BY_LENGTH = {
+    "recurrent_gemma": "a prompt of one token takes its recurrent blocks' decode path, which reads conv_1d's weight "
+                       "without calling conv_1d, where a longer prompt calls it",
+}
+
+
+def gathers_whole_layers(model):
+    """Whether ZeRO-3 fetches each decoder layer's weights as one unit (``mark_zero3_leaf_layers``, or a user's own
+    ``set_z3_leaf_module``) rather than submodule by submodule."""
+    from deepspeed.utils import z3_leaf_module
+
+    _, layers = decoder_layer_list(model)
+    return bool(layers) and all(z3_leaf_module(layer) for layer in layers)
+
+
+def check_ranks_gather_alike(model, world_size):
+    """Refuse, naming the way out, a ``model`` whose forwards on ``world_size`` ranks are each a ZeRO-3 gather over
+    them all, at lengths that differ by rank, where its family's layers call other submodules by length
+    (``CALLS_VARY_BY_LENGTH``) and ZeRO-3 fetches them submodule by submodule: the ranks would gather other weights."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if world_size < 2 or family not in CALLS_VARY_BY_LENGTH or gathers_whole_layers(model):
+        return
+    raise ValueError(f"the actor ({family}) generates under ZeRO-3 without pinned parameters on {world_size} ranks, "
+                     "each forward gathering its weights submodule by submodule (--zero3_fetch module), and "
+                     f"{CALLS_VARY_BY_LENGTH[family]}: ranks generating from prompts of other lengths would gather "
+                     "other weights (a hang). Use --zero3_fetch layer (the default: whole decoder layers), or keep "
+                     "the actor's parameters pinned (hybrid_engine.pin_parameters true: no --unpin_actor_parameters)")

@@ -115,9 +115,9 @@ def ds_config(stage=0, lr=5e-2, micro_batch=2, bf16=False, **zero_extra):
     return config
 
 
-def zero3_actor(folder, tokenizer):
+def zero3_actor(folder, tokenizer, zero3_fetch="layer"):
     """The actor saved at ``folder`` as step 3 loads it under ZeRO-3 (every weight partitioned), with ``tokenizer``
-    (what loading reads of one), in a DeepSpeed engine on this world's ranks."""
+    (what loading reads of one), in a DeepSpeed engine on this world's ranks; ``zero3_fetch``: ``--zero3_fetch``."""
     import torch.distributed as dist
 
     from dschat.models.loading import load_causal_lm
@@ -128,7 +128,8 @@ def zero3_actor(folder, tokenizer):
     config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * dist.get_world_size()
     model = load_causal_lm(folder, tokenizer, config)
     return initialize_engine(model, config, lr=1e-3, weight_decay=0.0, lora_learning_rate=None,
-                             lr_scheduler_type="constant", num_warmup_steps=0, total_steps=1)
+                             lr_scheduler_type="constant", num_warmup_steps=0, total_steps=1,
+                             zero3_fetch=zero3_fetch)
 
 
 def make_ds_engine(model, stage=0, **kwargs):

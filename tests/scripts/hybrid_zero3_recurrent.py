@@ -4,7 +4,9 @@ each rank generating the rows of each prompt length together without their paddi
 numbers of prompt lengths: rank 0 makes fewer decodes than rank 1, so it must make spare ones in step with rank 1's
 (or the ranks hang); with an EOS that ends rows at other steps; where a rank's batch has no padding or a hole (decoded
 as it is) beside a rank of several prompt lengths; and sampling, the spare decodes leave the sampling generator as
-they found it.
+they found it. All with ZeRO-3 gathering each decoder layer as one unit (``--zero3_fetch layer``); gathering
+submodule by submodule (``module``) the ranks gathered other weights, so that is refused unpinned, and pinned the rows
+answer as alone.
 
 Run by tests/test_hybrid_engine_zero3.py through the deepspeed launcher.
 """
@@ -97,26 +99,22 @@ class Tokenizer:
         return 96
 
 
-def main():
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument("--folder", required=True, help="where rank 0 saves the model both ranks load")
-    parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
-    folder = parser.parse_args().folder
-
+def unpinned_engine(ds_engine):
     from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
-    from dschat.utils.dist import ensure_distributed
 
-    rank, world = ensure_distributed()
-    assert world == 2, world
-    reference = with_biases(tiny_recurrent_gemma_actor())  # (its head untied: answers that vary)
-    if rank == 0:
-        reference.save_pretrained(folder)
-    dist.barrier()
-    ds_engine = zero3_actor(folder, Tokenizer())
-    assert all(p.numel() == 0 for p in ds_engine.module.parameters()), "every weight partitioned"
     engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64, pin_parameters=False),
                           pad_token_id=PAD)
     assert engine.inference_weights.forward_has_collectives
+    return engine
+
+
+def check_layer_fetch(folder, reference, rank):
+    """Every check, ZeRO-3 gathering each decoder layer's weights as one unit (``--zero3_fetch layer``)."""
+    from dschat.models.training_engine import release_engine
+
+    ds_engine = zero3_actor(folder, Tokenizer(), zero3_fetch="layer")
+    assert all(p.numel() == 0 for p in ds_engine.module.parameters()), "every weight partitioned"
+    engine = unpinned_engine(ds_engine)
     engine.eval()
     check_rows_answer_as_alone(engine, reference, rank)
     print(f"rank {rank} rows answer as alone: OK", flush=True)
@@ -126,6 +124,50 @@ def main():
     print(f"rank {rank} a batch as it is beside prompt lengths: OK", flush=True)
     check_spare_decodes_leave_the_generator_alone(engine, rank)
     print(f"rank {rank} spare decodes leave the generator alone: OK", flush=True)
+    release_engine(engine)
+
+
+def check_module_fetch(folder, reference, rank):
+    """ZeRO-3 gathering submodule by submodule (``--zero3_fetch module``): rank 1's one-token prompt's prefill reads
+    conv_1d's weight where rank 0's two-token prompts call conv_1d, so the ranks gathered other weights (gloo:
+    "Received data size doesn't match expected size") in the first decode. Unpinned, the engine is refused on both
+    ranks, naming --zero3_fetch layer; pinned (one gather into a copy, forwards without collectives), as the refusal
+    advises, the rows answer as alone."""
+    from dschat.hybrid_engine import HybridEngine, HybridEngineConfig
+    from dschat.models.training_engine import release_engine
+
+    ds_engine = zero3_actor(folder, Tokenizer(), zero3_fetch="module")
+    try:
+        unpinned_engine(ds_engine)
+    except ValueError as error:
+        assert "--zero3_fetch layer" in str(error) and "conv_1d" in str(error), str(error)
+    else:
+        raise AssertionError(f"rank {rank}: an unpinned engine gathering submodule by submodule was built")
+    print(f"rank {rank} module fetch unpinned refused: OK", flush=True)
+    engine = HybridEngine(ds_engine, HybridEngineConfig(enabled=True, max_out_tokens=64), pad_token_id=PAD)
+    engine.eval()
+    check_rows_answer_as_alone(engine, reference, rank)
+    print(f"rank {rank} module fetch pinned rows answer as alone: OK", flush=True)
+    release_engine(engine)
+
+
+def main():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--folder", required=True, help="where rank 0 saves the model both ranks load")
+    parser.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
+    args = parser.parse_args()
+
+    from dschat.utils.dist import ensure_distributed
+
+    rank, world = ensure_distributed()
+    assert world == 2, world
+    reference = with_biases(tiny_recurrent_gemma_actor())  # (its head untied: answers that vary)
+    if rank == 0:
+        reference.save_pretrained(args.folder)
+    dist.barrier()
+    check_layer_fetch(args.folder, reference, rank)
+    dist.barrier()
+    check_module_fetch(args.folder, reference, rank)
 
 
 if __name__ == "__main__":
