@@ -101,6 +101,33 @@ def test_an_actor_whose_forward_takes_no_kv_cache_is_refused_before_anything_loa
     check_step3_settings(step3_args({**settings, "enable_hybrid_engine": False}), 1)  # (HF's generate)
 
 
+def test_an_actor_calling_other_submodules_by_length_under_zero3_module_fetch_is_refused_before_anything_loads(
+        tmp_path):
+    """RecurrentGemma (a one-token prompt reads conv_1d's weight, a longer one calls conv_1d) and DeepSeek-V4 (its
+    compressors' norms are called once a window fills) generating on 2 ranks under ZeRO-3 fetched submodule by
+    submodule, every forward a gather (HF generate; the hybrid engine unpinned): the ranks gathered other weights and
+    gloo aborted (2 CPU ranks, both families on HF generate; RecurrentGemma's hybrid engine:
+    tests/scripts/hybrid_zero3_recurrent.py). Refused from the config; not with layer units, pinned parameters, ZeRO-2
+    or one rank."""
+    from tests.helpers import tiny_deepseek_v4_actor, tiny_recurrent_gemma_actor
+
+    tiny_recurrent_gemma_actor().config.save_pretrained(tmp_path / "rg")
+    tiny_deepseek_v4_actor().config.save_pretrained(tmp_path / "v4")
+    module = {"actor_zero_stage": 3, "zero3_fetch": "module", "max_prompt_seq_len": 8, "max_answer_seq_len": 8}
+    for family, hybrid in (("rg", {"enable_hybrid_engine": False}),
+                           ("rg", {"enable_hybrid_engine": True, "unpin_actor_parameters": True}),
+                           ("v4", {"enable_hybrid_engine": False})):
+        settings = {**module, **hybrid, "actor_model_name_or_path": str(tmp_path / family)}
+        with pytest.raises(UsageError, match=r"on 2 ranks.*--zero3_fetch module.*(conv_1d|compressors' norms).*"
+                                             r"--zero3_fetch layer"):
+            check_step3_settings(step3_args(settings), 2)
+        check_step3_settings(step3_args({**settings, "zero3_fetch": "layer"}), 2)
+        check_step3_settings(step3_args({**settings, "actor_zero_stage": 2, "unpin_actor_parameters": False}), 2)
+        check_step3_settings(step3_args(settings), 1)
+    check_step3_settings(step3_args({**module, "enable_hybrid_engine": True,
+                                     "actor_model_name_or_path": str(tmp_path / "rg")}), 2)  # (pinned)
+
+
 def test_a_cpmant_actor_is_refused_before_anything_loads(tmp_path):
     """CPMAnt takes transformers' cache but cannot be decoded one token at a time over it
     (``NOT_DECODABLE_PER_TOKEN``): its config says so before the actor loads."""

@@ -1,8 +1,10 @@
 """Where a decoder-only model keeps its repeated blocks, found without per-family tables, and how DeepSpeed ZeRO-3
-can fetch each of them as one unit."""
+can fetch each of them as one unit; the families whose generation on several ranks needs such units
+(``CALLS_VARY_BY_LENGTH``)."""
 import torch
 from torch import nn
 
+from dschat.errors import UsageError
 from dschat.models.zero3 import full_numel
 
 ZERO3_FETCH_UNITS = ("layer", "module")
@@ -69,13 +71,16 @@ def mark_zero3_leaf_layers(model):
 
 # Families (config.model_type) whose decoder layers call other submodules, or read a submodule's weight without
 # calling it, as the number of tokens a forward takes changes. Under ZeRO-3 fetching submodule by submodule
-# (``--zero3_fetch module``) each submodule gathers its own weights as it is called, a collective: ranks that forward
-# other lengths at once (each rank's own prompts, under ZeRO-3 without pinned parameters) then gather other weights
-# (gloo: "Received data size doesn't match expected size"; NCCL: a hang). A whole layer as one unit gathers the same
-# weights whatever the layer calls inside. Listed: nothing in the config tells.
+# (``--zero3_fetch module``) each submodule gathers its own weights as it is called, a collective: ranks that generate
+# from prompts of other lengths at once (each rank's own, every forward a gather: the hybrid engine without pinned
+# parameters, HF generate) then gather other weights (2 CPU ranks: gloo's "Received data size doesn't match expected
+# size"; NCCL: a hang). A whole layer as one unit gathers the same weights whatever it calls inside. Listed: nothing
+# in the config tells.
 CALLS_VARY_BY_LENGTH = {
     "recurrent_gemma": "a prompt of one token takes its recurrent blocks' decode path, which reads conv_1d's weight "
                        "without calling conv_1d, where a longer prompt calls it",
+    "deepseek_v4": "its compressed attention calls its compressors' norms only once a window of tokens fills, which "
+                   "a longer prompt fills first",
 }
 
 
@@ -88,15 +93,25 @@ def gathers_whole_layers(model):
     return bool(layers) and all(z3_leaf_module(layer) for layer in layers)
 
 
-def check_ranks_gather_alike(model, world_size):
-    """Refuse, naming the way out, a ``model`` whose forwards on ``world_size`` ranks are each a ZeRO-3 gather over
-    them all, at lengths that differ by rank, where its family's layers call other submodules by length
-    (``CALLS_VARY_BY_LENGTH``) and ZeRO-3 fetches them submodule by submodule: the ranks would gather other weights."""
-    family = getattr(getattr(model, "config", None), "model_type", None)
-    if world_size < 2 or family not in CALLS_VARY_BY_LENGTH or gathers_whole_layers(model):
+def refuse_ranks_gathering_otherwise(family, world_size, generating, other_way=""):
+    """Refuse, naming the way out, ``generating`` (how the actor generates, every forward a ZeRO-3 gather submodule by
+    submodule) on ``world_size`` ranks where ``family``'s layers call other submodules by length
+    (``CALLS_VARY_BY_LENGTH``): ranks generating from prompts of other lengths would gather other weights.
+    ``other_way``: another way out than whole-layer units, said after it."""
+    if world_size < 2 or family not in CALLS_VARY_BY_LENGTH:
         return
-    raise ValueError(f"the actor ({family}) generates under ZeRO-3 without pinned parameters on {world_size} ranks, "
-                     "each forward gathering its weights submodule by submodule (--zero3_fetch module), and "
+    raise UsageError(f"{generating} under ZeRO-3 on {world_size} ranks, each forward gathering the actor's "
+                     f"({family}) weights submodule by submodule (--zero3_fetch module), and "
                      f"{CALLS_VARY_BY_LENGTH[family]}: ranks generating from prompts of other lengths would gather "
-                     "other weights (a hang). Use --zero3_fetch layer (the default: whole decoder layers), or keep "
-                     "the actor's parameters pinned (hybrid_engine.pin_parameters true: no --unpin_actor_parameters)")
+                     "other weights (a hang). Use --zero3_fetch layer (the default: each decoder layer gathered "
+                     f"whole, whatever it calls inside){other_way}")
+
+
+def check_ranks_gather_alike(model, world_size):
+    """``refuse_ranks_gathering_otherwise`` for the hybrid engine generating with ``model``, a ZeRO-3 module whose
+    parameters are not pinned (every forward a gather), where its decoder layers are not ZeRO-3's fetch units."""
+    if world_size > 1 and not gathers_whole_layers(model):
+        refuse_ranks_gathering_otherwise(
+            getattr(getattr(model, "config", None), "model_type", None), world_size,
+            "the hybrid engine generating without pinned parameters (hybrid_engine.pin_parameters false)",
+            ", or keep the actor's parameters pinned (hybrid_engine.pin_parameters true: no --unpin_actor_parameters)")

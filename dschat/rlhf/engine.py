@@ -411,6 +411,24 @@ def check_settings(args):
     check_schedule_reaches_its_end(args.lr_scheduler_type, trained)
 
 
+def check_generation_gathers_alike(args, world_size, actor_ds_config, config):
+    """An actor whose layers call other submodules by length (``layers.CALLS_VARY_BY_LENGTH``: RecurrentGemma,
+    DeepSeek-V4) generating under ZeRO-3 fetched submodule by submodule (``--zero3_fetch module``) on several ranks,
+    every forward a gather (HF generate, or the hybrid engine without pinned parameters), refused from its ``config``
+    before any weight loads: the ranks gathered other weights (2 CPU ranks: gloo aborted). The hybrid engine checks
+    its actor's own fetch units again when built (``check_ranks_gather_alike``)."""
+    from dschat.models.layers import refuse_ranks_gathering_otherwise
+
+    if config is None or args.zero3_fetch != "module" or actor_ds_config["zero_optimization"]["stage"] != 3:
+        return
+    if not args.enable_hybrid_engine:
+        refuse_ranks_gathering_otherwise(config.model_type, world_size, "HF generate (--no-enable_hybrid_engine)")
+    elif not actor_ds_config.get("hybrid_engine", {}).get("pin_parameters", True):
+        refuse_ranks_gathering_otherwise(
+            config.model_type, world_size, "the hybrid engine without pinned parameters (--unpin_actor_parameters)",
+            ", or keep the actor's parameters pinned (no --unpin_actor_parameters)")
+
+
 def check_step3_settings(args, world_size, actor_architecture=None, critic_made_later=False):
     """Every check of step 3's flags before any data or model loads: ``check_settings``, the data split and paths,
     gradient accumulation, the actor's config against the lengths and the hybrid engine (tensor parallelism, local
@@ -437,6 +455,7 @@ def check_step3_settings(args, world_size, actor_architecture=None, critic_made_
     check_inference_tp(args, world_size, actor.get("hybrid_engine", {}), actor_path, actor_config)
     check_local_window(args, actor_path, actor_config)
     check_actor_decodable(args, actor_config)
+    check_generation_gathers_alike(args, world_size, actor, actor_config)
     check_lora_module_names(args, actor_config, None if critic_made_later else args.critic_model_name_or_path)
     check_accumulation(args)
     if args.advantage_estimator == "gae":
