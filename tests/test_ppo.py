@@ -5312,6 +5312,26 @@ def test_rows_of_one_prompt_length_generate_together_where_the_batched_decode_ke
         assert (seq[row, width + len(answer):] == 0).all(), row
 
 
+def test_hf_generates_and_the_hybrid_engines_rows_of_each_prompt_length_are_one_grouping():
+    """HF generate's row by row path (``rows_to_generate_together``) and the hybrid engine's decode
+    (``prompt_length_groups``) each grouped rows by prompt length in their own code; both now take
+    ``rows_of_each_prompt_length``'s groups: the rows of each length in order, the lengths ascending whatever the
+    rows' order (every rank makes its calls in one order), each group's prompts without their padding."""
+    from dschat.hybrid_engine.decode import prompt_length_groups, rows_of_each_prompt_length
+    from dschat.rlhf.trainer import rows_to_generate_together
+
+    lengths = torch.tensor([3, 1, 3, 2, 1])
+    ids = torch.arange(15).reshape(5, 3)
+    grouped = [(rows.tolist(), length) for rows, length in rows_of_each_prompt_length(lengths)]
+    assert grouped == [([1, 4], 1), ([3], 2), ([0, 2], 3)]
+    assert [(rows.tolist(), length) for rows, length in rows_to_generate_together(lengths, True)] == grouped
+    assert [(rows.tolist(), length) for rows, length in rows_to_generate_together(lengths, False)] == \
+        [([row], length) for row, length in enumerate(lengths.tolist())]
+    groups = prompt_length_groups(ids, lengths)
+    assert [rows.tolist() for rows, _ in groups] == [rows for rows, _ in grouped]
+    assert [prompts.tolist() for _, prompts in groups] == [[[5], [14]], [[10, 11]], [[0, 1, 2], [6, 7, 8]]]
+
+
 def test_the_flags_of_logs_and_evaluation_leave_step3s_weights_bit_for_bit(trained, tmp_path):
     """``pipeline_resume.LOG_EVAL_FLAGS``: train.py --resume skips a finished step 3 given other values of them alone,
     as they cannot change its weights. Measured with the hybrid engine and the actor's and critic's dropout on (a draw

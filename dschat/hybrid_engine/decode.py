@@ -338,11 +338,14 @@ def prompt_length_groups(input_ids, prompt_lengths):
     decoded apart, without its padding, answers as each row alone: a model whose recurrence reads no mask
     (``LEFT_PADDING_MOVES_SCORES``) answers a padded prompt otherwise."""
     width = input_ids.shape[1]
-    groups = []
-    for length in prompt_lengths.unique().tolist():
-        rows = (prompt_lengths == length).nonzero().flatten()
-        groups.append((rows, input_ids[rows, width - length:]))
-    return groups
+    return [(rows, input_ids[rows, width - length:]) for rows, length in rows_of_each_prompt_length(prompt_lengths)]
+
+
+def rows_of_each_prompt_length(prompt_lengths):
+    """(rows, length) for each prompt length of ``prompt_lengths`` ((B,)), the lengths ascending: every rank of a
+    group makes its calls in one order. The one grouping of the hybrid engine's decode (``prompt_length_groups``) and
+    of HF generate's row by row path (``trainer.rows_to_generate_together``)."""
+    return [((prompt_lengths == length).nonzero().flatten(), length) for length in prompt_lengths.unique().tolist()]
 
 
 def joined_generations(input_ids, groups, generations, pad_token_id):

@@ -14,7 +14,8 @@ from torch.profiler import record_function as phase  # named ranges in a torch.p
 from dschat.args import resolve_pad_to_multiple_of, top_k_flag
 from dschat.data.collators import padded_length
 from dschat.errors import UsageError
-from dschat.hybrid_engine.decode import forward_spec, keeps_states_in_modules, reset_states_kept_in_modules
+from dschat.hybrid_engine.decode import (forward_spec, keeps_states_in_modules, reset_states_kept_in_modules,
+                                         rows_of_each_prompt_length)
 from dschat.hybrid_engine.generate_args import (check_left_padded, left_padded_lengths, merged_generation_config,
                                                 resolve_max_new_tokens, resolve_min_new_tokens)
 from dschat.hybrid_engine.graphs import default_generator, logits_vocab_size
@@ -452,10 +453,10 @@ def decodes_rows_apart(model):
 
 def rows_to_generate_together(lengths, of_one_length):
     """(rows, prompt length) of each generate call: the rows of each prompt length (``lengths``, (B,)) together where
-    ``of_one_length``, else each row alone, in order."""
+    ``of_one_length`` (``rows_of_each_prompt_length``: the lengths ascending), else each row alone, in order."""
     if not of_one_length:
         return [(torch.tensor([row], device=lengths.device), length) for row, length in enumerate(lengths.tolist())]
-    return [((lengths == length).nonzero().flatten(), length) for length in lengths.unique().tolist()]
+    return rows_of_each_prompt_length(lengths)
 
 
 def answer_texts(tokenizer, answers, mask):
