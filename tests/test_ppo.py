@@ -5156,6 +5156,54 @@ def test_hf_generate_asks_a_lora_actors_base_model_whether_its_generate_takes_sy
         assert said == [True]
 
 
+def test_whether_a_generate_takes_synced_gpus_is_read_from_its_signature_once(monkeypatch):
+    """``synced_gpus_said`` read ``generate``'s signature at every call (each rollout, each held-out batch). It is now
+    read once per generate: a class's generate once for all its instances (a bound method's function), a generate
+    set on an instance (as the hybrid engine routes one) or a partial once each; a different generate is asked
+    again, and its own answer is the one given."""
+    import functools
+    import gc
+    import inspect
+    import weakref
+
+    from dschat.errors import UsageError
+    from dschat.rlhf.trainer import synced_gpus_said
+
+    read = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn, **kw: read.append(fn) or signature(fn, **kw))
+
+    class Takes:  # (a fresh class: no other test's generate read before)
+        def generate(self, input_ids, synced_gpus=None):
+            return input_ids
+
+    class TakesNot:
+        def generate(self, input_ids):
+            return input_ids
+
+    first, second = Takes(), Takes()
+    for model in (first, second, first):
+        assert synced_gpus_said(model, True) == {"synced_gpus": True}
+    assert len(read) == 1  # (the class's generate, once for both instances)
+    assert synced_gpus_said(TakesNot(), False) == {} and len(read) == 2
+    with pytest.raises(UsageError, match=r"TakesNot\.generate takes no synced_gpus"):
+        synced_gpus_said(TakesNot(), True)
+    assert len(read) == 2
+    routed = Takes()
+    # (an instance's own generate, holding its model as the hybrid engine's route does: its own answer)
+    routed.generate = lambda input_ids, **kwargs: routed and input_ids
+    assert synced_gpus_said(routed, True) == {"synced_gpus": True} and len(read) == 3
+    assert synced_gpus_said(routed, False) == {"synced_gpus": False} and len(read) == 3
+    gone = weakref.ref(routed)
+    del routed
+    gc.collect()
+    assert gone() is None  # (the answer kept does not keep the generate, nor its model, alive)
+    partial = TakesNot()
+    partial.generate = functools.partial(lambda input_ids, extra: input_ids, extra=1)
+    assert synced_gpus_said(partial, False) == {} and len(read) == 4
+    assert synced_gpus_said(partial, False) == {} and len(read) == 4
+
+
 def test_hf_generate_leaves_a_plain_model_unsynced_while_an_hf_deepspeed_config_lives(monkeypatch):
     """``syncs_ranks`` also asked HF's ``is_deepspeed_zero3_enabled()``, true while an HfDeepSpeedConfig is alive in
     the process: a model loaded without ZeRO (a policy of the tools, a reward model loaded plain) synced on several
