@@ -90,13 +90,15 @@ def ready_reward_model(args):
     2's output, DeepSpeed-Chat's, TRL's or OpenRLHF's) given to a PPO run without step 2, whose critic starts from it,
     or to a GRPO run. Else None: step 2 trains from ``--reward-model``, and step 3 reads step 2's folder; GRPO is
     rewarded by its --reward_fn."""
+    from dschat.models.reward_model import holds_reward_model
+
     recipe = getattr(args, "recipe", "ppo")
     steps = recipe_steps(recipe, getattr(args, "step", (1, 2, 3)))[0]
     path = args.reward_model
     if recipe == "dpo" or 3 not in steps or 2 in steps or path == getattr(args, "actor_model", None):
         return None
     if os.path.isdir(path):
-        return path if _holds_reward_model(os.path.realpath(path), os.stat(path).st_mtime_ns) else None
+        return path if holds_reward_model(path) else None
     return path if _hub_holds_reward_model(path) else None
 
 
@@ -122,15 +124,6 @@ def _hub_holds_reward_model(name):
             return False
         _HUB_REWARD_MODELS[key] = found
     return _HUB_REWARD_MODELS[key]
-
-
-@functools.lru_cache(maxsize=8)
-def _holds_reward_model(folder, modified):
-    """``is_reward_model_folder``, read once per folder state (``modified``): train.py asks at every check, and a
-    weights file may have to be read whole to list its names."""
-    from dschat.models.reward_model import is_reward_model_folder
-
-    return is_reward_model_folder(folder)
 
 
 def step_argv(step, args, tiny):

@@ -2466,3 +2466,37 @@ def test_the_notebook_loaders_fail_at_once_on_a_hub_name_they_cannot_fetch(unrea
         with pytest.raises(MissingInputError, match=r"^tiny-lama: no such tiny preset \(they are tiny-llama, "):
             load("tiny-lama")
     assert unreachable_hub == [constants.ENDPOINT]  # (one probe, then offline mode)
+
+
+def test_a_policy_folder_is_read_for_a_reward_model_once_and_one_that_becomes_one_is_refused(tmp_path, monkeypatch):
+    """A policy was checked for being a reward model by the early check (the steps', step 3's, train.py's, the tools')
+    and read again by the loader, which checks it too (step 3's actor three times, with its reference); a weights
+    file may be opened to list its names. It is read once per state of its files: loading after the early check, and
+    the tools' loading after theirs, read nothing again; a value head saved into the folder is seen, and refused at
+    every check."""
+    import shutil
+
+    from dschat.errors import UsageError
+    from dschat.models import reward_model
+    from dschat.models.loading import check_not_a_reward_model, load_causal_lm, load_tokenizer, resolve_model_path
+    from dschat.models.reward_model import VALUE_HEAD_FILE
+    from dschat.tools.common import find_policy_path, load_policy
+
+    folder = str(tmp_path / "lm")
+    shutil.copytree(resolve_model_path("tiny-llama"), folder)
+    read, is_reward_model_folder = [], reward_model.is_reward_model_folder
+    monkeypatch.setattr(reward_model, "is_reward_model_folder", lambda path: read.append(path) or
+                        is_reward_model_folder(path))
+    check_not_a_reward_model(folder, "--model_name_or_path")  # (the early check)
+    load_causal_lm(folder, load_tokenizer(folder))  # (the loader's)
+    load_policy(find_policy_path(folder), device="cpu")  # (the tools': their early check, then the loader's)
+    assert read == [folder]
+    (tmp_path / "lm" / VALUE_HEAD_FILE).write_bytes(b"")  # (now a value-head model's folder)
+    for _ in range(2):
+        with pytest.raises(UsageError, match=r"^--model_name_or_path .*: a reward model or critic .*not a policy"):
+            check_not_a_reward_model(folder, "--model_name_or_path")
+        with pytest.raises(UsageError, match="not a policy"):
+            load_causal_lm(folder, None)
+        with pytest.raises(UsageError, match="not a policy"):
+            find_policy_path(folder)
+    assert read == [folder, folder]

@@ -754,11 +754,12 @@ def sync_special_tokens(model, tokenizer, rows=0):
 
 def check_not_a_reward_model(model_name_or_path, flag=None):
     """A step-2 reward-model folder given as a policy is an error (naming ``flag``, if given): it holds no LM head, so
-    the model would generate from a new random one and still train and be scored."""
-    from dschat.models.reward_model import is_reward_model_folder
+    the model would generate from a new random one and still train and be scored. The folder is read once per state
+    of its files (``holds_reward_model``): the early checks' callers load the model later, which checks it again."""
+    from dschat.models.reward_model import holds_reward_model
 
     path = resolve_model_path(model_name_or_path)
-    if os.path.isdir(path) and is_reward_model_folder(path):
+    if os.path.isdir(path) and holds_reward_model(path):
         raise UsageError(f"{given_as(flag, model_name_or_path)}: {value_model_kind(path)}, not a policy: "
                          "pass a language model, e.g. train.py's <output>/step1_sft or <output>/step3_ppo/actor")
 

@@ -1,5 +1,6 @@
 """Reward model / critic: a value head on a base transformer, scored at each sequence's last real token."""
 import copy
+import functools
 import json
 import logging
 import math
@@ -347,6 +348,35 @@ def is_reward_model_folder(path):
     *ForSequenceClassification (TRL's reward models) or an OpenRLHF reward model."""
     return (os.path.exists(os.path.join(path, VALUE_HEAD_FILE)) or ds_chat_reward_weights(path) is not None
             or score_head_location(path) is not None)
+
+
+def holds_reward_model(path):
+    """``is_reward_model_folder`` of the folder ``path``, read once per state of its files (``folder_files_stamp``): a
+    policy is asked at its early check (the steps', train.py's, the tools') and again at its load (step 3's actor twice,
+    with its reference), train.py's --reward-model at every check, and a weights file may be opened to list its names.
+    A folder whose files cannot be listed now is read as it is."""
+    try:
+        stamp = folder_files_stamp(path)
+    except OSError:
+        return is_reward_model_folder(path)
+    return _is_reward_model_folder_stamped(os.path.realpath(path), stamp)
+
+
+def folder_files_stamp(path):
+    """(name, size, modification time) of each file of the folder ``path``, sorted: what tells its files changed
+    without reading them (a value head saved into it, a config or weights file rewritten)."""
+    stamp = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.is_file():
+                st = entry.stat()
+                stamp.append((entry.name, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(stamp))
+
+
+@functools.lru_cache(maxsize=64)
+def _is_reward_model_folder_stamped(folder, stamp):
+    return is_reward_model_folder(folder)
 
 
 def _config_dict(path):
