@@ -5246,6 +5246,32 @@ def test_hf_generate_refuses_a_batch_of_no_row_by_name(family, synced_gpus, monk
                                       pad_token_id=0, synced_gpus=synced_gpus)
 
 
+def test_under_synced_gpus_a_rank_whose_peer_has_no_row_is_refused_with_it_in_their_agreement(monkeypatch):
+    """A rank given a batch of no row raised alone (``check_rows_to_generate``) before the ranks' agreement on their
+    generate calls, so its peers waited in the agreement's all-reduce for ever. It now says so in that same
+    all-reduce (a count above any, ``dist.NO_CALLS``), and every rank is refused there together, before any call:
+    here the peer's word stood in for by the all-reduce, the rank with rows refused naming the other's batch, and
+    the rank of no row naming its own. Two ranks: ``test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone``."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.trainer import hf_generate
+    from dschat.utils import dist
+
+    model = tiny_rwkv()
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    said, generated = [], []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op: said.append(t.tolist()) or t.fill_(dist.NO_CALLS))
+    monkeypatch.setattr(model, "generate", lambda input_ids, **kw: generated.append(input_ids) or input_ids)
+    ids, mask = _left_padded([[10, 11, 12], [30, 31]], 3)
+    call = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, synced_gpus=True)
+    with pytest.raises(UsageError, match=r"^hf_generate: another rank's batch of no prompt \(every rank stops"):
+        hf_generate(model, tokenizer)(ids, attention_mask=mask, **call)
+    assert said == [[2]] and generated == []  # (this rank's 2 prompt lengths said; no call made)
+    for no_row_mask in (torch.ones(0, 3, dtype=torch.long), None):  # (None: the batch taken as it is)
+        with pytest.raises(UsageError, match=r"^hf_generate: a batch of no prompt \(input_ids \(0, 3\)\)"):
+            hf_generate(model, tokenizer)(ids[:0], attention_mask=no_row_mask, **call)
+    assert said == [[2], [dist.NO_CALLS], [dist.NO_CALLS]] and generated == []
+
+
 @pytest.mark.parametrize("where", ["call", "generation_config"])
 def test_rows_generated_without_their_padding_get_the_new_tokens_a_max_length_gives_the_batch(where):
     """HF's ``max_length`` counts the prompt, padding included: a padded row of an actor whose outputs left padding
@@ -5276,11 +5302,14 @@ def test_rwkv_under_zero3_on_two_ranks_answers_each_prompt_as_alone(tmp_path):
     only where a rank generated alone, so step 3's RWKV rollouts there mixed the rows (tokens 2 on of each answer),
     and padded rows generated with their padding. tests/scripts/rwkv_zero3_generate.py: each rank's answers to
     left-padded prompts equal each prompt's alone without ZeRO, the ranks holding other mixes of prompt lengths (2
-    generate calls on rank 0, 3 on rank 1: rank 0 makes one more, or the ranks hang)."""
+    generate calls on rank 0, 3 on rank 1: rank 0 makes one more, or the ranks hang). Then rank 1 given a batch of no
+    prompt: both ranks are refused together (it raised alone before, and rank 0 waited in the agreement)."""
     proc = run_deepspeed(REPO / "tests" / "scripts" / "rwkv_zero3_generate.py", "--folder", tmp_path / "rwkv",
                          timeout=300)
     for rank in (0, 1):
         assert f"rank {rank} answers as each prompt alone: OK" in proc.stdout, proc.stdout[-3000:]
+    assert "rank 0 refused: hf_generate: another rank's batch of no prompt" in proc.stdout, proc.stdout[-3000:]
+    assert "rank 1 refused: hf_generate: a batch of no prompt (input_ids (0, 4))" in proc.stdout, proc.stdout[-3000:]
 
 
 def _tiny_xlstm_actor():

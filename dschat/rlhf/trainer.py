@@ -277,18 +277,23 @@ def hf_generate(model, tokenizer):
     generate = functools.partial(model.generate, **suppressed) if suppressed else model.generate
     if keeps_states_in_modules(model):
         generate = functools.partial(from_fresh_module_states, model, generate)
-    generate = functools.partial(generate_row_by_row, model, generate) if left_padding_moves(model) else generate
-    return functools.partial(synced_as_the_model_needs, model, generate)
+    row_by_row = left_padding_moves(model)
+    generate = functools.partial(generate_row_by_row, model, generate) if row_by_row else generate
+    return functools.partial(synced_as_the_model_needs, model, generate, ranks_agree_on_calls=row_by_row)
 
 
-def synced_as_the_model_needs(model, generate, input_ids, synced_gpus=None, **kwargs):
+def synced_as_the_model_needs(model, generate, input_ids, synced_gpus=None, ranks_agree_on_calls=False, **kwargs):
     """``generate`` told ``synced_gpus`` outright: as the caller says, else ``syncs_ranks``'s default, which sees a
     ZeRO-3 model by its partitioned parameters. HF's own default (None) sees ZeRO-3 only while an HfDeepSpeedConfig
     is alive, which dschat's loaders let go once the model is built (``model_load_context``): a ZeRO-3 model on
     several ranks generated unsynced, and the ranks hung once one's answers ended first (``evaluate_policy`` called
-    without ``synced_gpus``). Said only to a ``generate`` that takes it (``synced_gpus_said``)."""
-    check_rows_to_generate(input_ids)
-    return generate(input_ids, **synced_gpus_said(model, syncs_ranks(model, synced_gpus)), **kwargs)
+    without ``synced_gpus``). Said only to a ``generate`` that takes it (``synced_gpus_said``). A batch of no row is
+    refused here (``check_rows_to_generate``), except where synced ranks agree on their calls before any
+    (``ranks_agree_on_calls``: ``generate_row_by_row``): there every rank is refused together, in that agreement."""
+    synced = syncs_ranks(model, synced_gpus)
+    if not (synced and ranks_agree_on_calls):
+        check_rows_to_generate(input_ids)
+    return generate(input_ids, **synced_gpus_said(model, synced), **kwargs)
 
 
 def synced_gpus_said(model, synced):
@@ -350,9 +355,16 @@ def check_rows_to_generate(input_ids):
     and the held-out loaders on several ranks give every rank as many batches, each of at least one row
     (``distributed_eval_loader``: the ranks' shares padded with repeats)."""
     if input_ids is not None and input_ids.shape[0] == 0:  # (None: HF generates from BOS)
-        raise UsageError(f"hf_generate: a batch of no prompt (input_ids {tuple(input_ids.shape)}): give each call, "
-                         f"on every rank, at least one row (several ranks: share the prompts with "
-                         f"dschat.data.samplers.distributed_eval_loader, which pads each rank's share)")
+        raise no_prompt_error(input_ids.shape)
+
+
+def no_prompt_error(shape, own=True):
+    """The ``UsageError`` for this rank's batch of no row, of ``shape`` (``check_rows_to_generate``), or (not ``own``)
+    for a peer's, where the ranks are refused together (``generate_in_step_with_other_ranks``)."""
+    which = f"a batch of no prompt (input_ids {tuple(shape)})" if own else \
+        "another rank's batch of no prompt (every rank stops: under synced_gpus the ranks generate in step)"
+    return UsageError(f"hf_generate: {which}: give each call, on every rank, at least one row (several ranks: share "
+                      f"the prompts with dschat.data.samplers.distributed_eval_loader, which pads each rank's share)")
 
 
 def from_fresh_module_states(model, generate, input_ids, **kwargs):
@@ -380,12 +392,13 @@ def generate_row_by_row(model, generate, input_ids, attention_mask=None, **kwarg
     lengths = left_padded_lengths(attention_mask) if pad_id is not None else None
     if lengths is None:
         warn_of_padded_generation(model, attention_mask)
-        return generate_in_step_with_other_ranks(generate, [(input_ids, attention_mask)], synced, kwargs)[0]
+        return generate_in_step_with_other_ranks(generate, [(input_ids, attention_mask)], synced, kwargs,
+                                                 input_ids)[0]
     width = input_ids.shape[1]
     kwargs = with_the_batchs_new_token_counts(model, kwargs, width)
     groups = rows_to_generate_together(lengths, together)
     calls = [(input_ids[rows, width - length:], attention_mask[rows, width - length:]) for rows, length in groups]
-    outputs = generate_in_step_with_other_ranks(generate, calls, synced, kwargs)
+    outputs = generate_in_step_with_other_ranks(generate, calls, synced, kwargs, input_ids)
     answers = [(rows, out[:, length:]) for (rows, length), out in zip(groups, outputs)]
     seq = input_ids.new_full((input_ids.shape[0], width + max(a.shape[1] for _, a in answers)), pad_id)
     seq[:, :width] = input_ids
@@ -432,20 +445,23 @@ def syncs_ranks(model, synced_gpus):
     return (holds_zero3_params(model) or is_fsdp_managed_module(model)) and get_world_size() > 1
 
 
-def generate_in_step_with_other_ranks(generate, calls, synced, kwargs):
-    """``generate``'s output for each of ``calls`` ((input_ids, attention_mask)), in order. Under ``synced`` every
-    rank's forwards are collectives, so every rank makes as many calls (``in_step_with_other_ranks``; within one call
-    HF's ``synced_gpus`` keeps the ranks stepping until all have finished): a rank with fewer makes the rest on its
-    first call's first row, their answers and random draws discarded."""
-    input_ids, attention_mask = calls[0]
+def generate_in_step_with_other_ranks(generate, calls, synced, kwargs, batch):
+    """``generate``'s output for each of ``calls`` ((input_ids, attention_mask)), in order: parts of the prompts
+    ``batch``. Under ``synced`` every rank's forwards are collectives, so every rank makes as many calls
+    (``in_step_with_other_ranks``; within one call HF's ``synced_gpus`` keeps the ranks stepping until all have
+    finished): a rank with fewer makes the rest on its first call's first row, their answers and random draws
+    discarded. A batch of no row makes no call: under ``synced`` every rank is refused together
+    (``no_prompt_error``), in the ranks' agreement on their calls."""
+    calls = [(ids, mask) for ids, mask in calls if ids.shape[0]]
 
     def spare():
+        input_ids, attention_mask = calls[0]
         mask = None if attention_mask is None else attention_mask[:1]
         with torch.random.fork_rng(devices=[input_ids.device] if input_ids.device.type == "cuda" else []):
             generate(input_ids[:1], attention_mask=mask, **kwargs)
 
     own = [functools.partial(generate, ids, attention_mask=mask, **kwargs) for ids, mask in calls]
-    return in_step_with_other_ranks(own, spare, synced, input_ids.device)
+    return in_step_with_other_ranks(own, spare, synced, batch.device, functools.partial(no_prompt_error, batch.shape))
 
 
 # ``LEFT_PADDING_MOVES_SCORES`` families whose batched decode in transformers keeps unpadded rows apart as it is:

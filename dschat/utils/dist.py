@@ -289,18 +289,35 @@ def all_reduce(tensor, op="sum", group=None):
     return tensor
 
 
-def in_step_with_other_ranks(calls, spare, synced, device):
+# What a rank with no call says in ``in_step_with_other_ranks``' all-reduce of the most calls: above any count, so that
+# the max tells every rank.
+NO_CALLS = 2**62
+
+
+def in_step_with_other_ranks(calls, spare, synced, device, no_calls_error=None):
     """The result of each of ``calls`` (callables), in order. Under ``synced`` each call's forwards are collectives
     over every rank (ZeRO-3's weight gathers), so every rank must make as many calls, in the same order: the ranks
     first agree on the most calls any makes (one all-reduce of one int, before any call: agreed after its own calls,
     a rank with fewer waited in the all-reduce while a peer's next call waited for its weights, a hang), then a rank
     with fewer calls ``spare()`` for each it lacks, its result dropped (``spare`` keeps its random draws out of the
-    caller's). Within one call the callers keep the ranks stepping until all have finished."""
-    total = int(all_reduce(torch.tensor([len(calls)], device=device), "max").item()) if synced else len(calls)
+    caller's). Within one call the callers keep the ranks stepping until all have finished. A rank with no call can
+    make no spare one (``spare`` repeats one of its calls): it says so in the same all-reduce (``NO_CALLS``), and
+    every rank raises ``no_calls_error(own)`` together (``own``: this rank had none), before any call; raised on
+    that rank alone, its peers waited for ever."""
+    total = len(calls)
+    if synced:
+        total = int(all_reduce(torch.tensor([total or NO_CALLS], device=device), "max").item())
+        if not calls or total == NO_CALLS:
+            raise (no_calls_error or _no_calls_error)(not calls)
     results = [call() for call in calls]
     for _ in range(total - len(calls)):
         spare()
     return results
+
+
+def _no_calls_error(own):
+    return RuntimeError(f"{'this rank' if own else 'another rank'} has no call to make, so it cannot keep in step "
+                        "with its peers (its spare calls repeat one of its own): give every rank at least one")
 
 
 def rank_mean(value, device):

@@ -4,7 +4,8 @@ prompt alone on one rank without ZeRO: each rank generates the rows of each prom
 padding (which RWKV's recurrence would read), the rows of transformers' batched one-token decode step kept apart
 (``compat.rwkv_decode_keeps_rows_apart``, mended on every rank). The ranks hold other mixes of prompt lengths: rank
 0 makes 2 generate calls of its own, rank 1 makes 3, so rank 0 must make one more
-(``trainer.generate_in_step_with_other_ranks``) or the ranks hang.
+(``trainer.generate_in_step_with_other_ranks``) or the ranks hang. Then rank 1 is given a batch of no prompt: every
+rank is refused together, in that agreement (it raised alone before it, and rank 0 waited for ever).
 
 Run by tests/test_ppo.py through the deepspeed launcher.
 """
@@ -65,6 +66,22 @@ def step3_answers(actor, prompts, mask):
     return seq
 
 
+def refused_together(actor, rank, prompts, mask):
+    """HF generate (as ``evaluate_policy`` calls it) of rank 1 given a batch of no prompt: each rank's UsageError."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.trainer import hf_generate
+
+    if rank == 1:
+        prompts, mask = prompts[:0], mask[:0]
+    try:
+        with torch.no_grad():
+            hf_generate(actor.module, Tokenizer())(prompts, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                                   do_sample=False)
+    except UsageError as error:
+        return str(error)
+    return None
+
+
 def main():
     from dschat.utils.dist import ensure_distributed
 
@@ -85,6 +102,9 @@ def main():
     got = step3_answers(actor, prompts, mask)
     assert torch.equal(got, expected), (rank, got.tolist(), expected.tolist())
     print(f"rank {rank} answers as each prompt alone: OK", flush=True)
+    refusal = refused_together(actor, rank, prompts, mask)
+    assert refusal is not None, f"rank {rank} generated"
+    print(f"rank {rank} refused: {refusal}", flush=True)
 
 
 if __name__ == "__main__":
