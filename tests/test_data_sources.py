@@ -1040,6 +1040,18 @@ def test_an_arrow_or_feather_file_named_as_data_is_told_how_to_write_it_as_parqu
     assert len(raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]) == len(RECORDS)
 
 
+@pytest.mark.parametrize("column", ["PAR1", "FEA1", "ARROW1"])
+def test_a_csv_whose_first_column_is_named_as_a_binary_tables_magic_is_read_as_csv(tmp_path, column):
+    """A CSV whose header begins with a binary table's magic (a column named PAR1 or FEA1: "feature 1") was refused
+    as "a Parquet file" or "a Feather v1 file": its first bytes alone told it. Such a file ends with its magic too;
+    this text does not, and is read as the CSV it is."""
+    path = tmp_path / "train.csv"
+    pd.DataFrame([{column: str(i), **record} for i, record in enumerate(RECORDS)]).to_csv(path, index=False)
+    assert path.read_bytes().startswith(column.encode())
+    data = raw(f"csv:{path}", tmp_path).raw_datasets["train"]
+    assert data["prompt"] == [record["prompt"] for record in RECORDS]
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

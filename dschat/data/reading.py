@@ -63,8 +63,9 @@ PACKED_JSON = tuple(DECOMPRESSORS)  # (their extensions: a JSON file named so, x
 class BinaryTable:
     """A binary table file, told by its first bytes (``magic``, as a compression's) whatever its name: a Parquet file
     named train.csv or train.jsonl was read as text, "not UTF-8 text (byte 0xd4 at column 8)", and an Arrow file's NULs
-    said "UTF-16?". ``what``: its words; ``kind``: the data type dschat reads it as, by its ``extension``
-    (EXTENSION_TYPES), None for one it does not read."""
+    said "UTF-16?". Its last bytes are its ``magic`` too (each format ends with it: ``is_binary_table``), or a CSV whose
+    first column is named PAR1 or FEA1 is one. ``what``: its words; ``kind``: the data type dschat reads it as, by its
+    ``extension`` (EXTENSION_TYPES), None for one it does not read."""
     what: str
     extension: str
     magic: bytes
@@ -544,8 +545,17 @@ def check_bytes_read_as(kind, path, where=None, head=None):
     if tool:
         raise compressed_error(path, tool, where, kind)
     table = told_by_magic(BINARY_TABLES, head)
-    if table and BINARY_TABLES[table].kind != kind:
+    if table and BINARY_TABLES[table].kind != kind and is_binary_table(path, BINARY_TABLES[table]):
         raise binary_table_error(path, kind, BINARY_TABLES[table], where)
+
+
+def is_binary_table(path, table):
+    """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends with it too, as a whole file of that
+    format does (Parquet, Arrow IPC and Feather v1 all write it last): a CSV whose header begins "PAR1," or "FEA1,"
+    (text) was refused as a Parquet or Feather file."""
+    with open(path, "rb") as f:
+        f.seek(-len(table.magic), os.SEEK_END)  # (its first bytes matched: it is that long)
+        return f.read() == table.magic
 
 
 def binary_table_error(path, kind, table, where=None):
