@@ -1146,3 +1146,34 @@ def test_a_value_with_dashes_and_a_space_is_a_value_as_argparse_reads_it():
     args = prompt_eval.build_parser().parse_args(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune",
                                                   "b", "--prompts", "Hi", "-- and you?"])
     assert args.prompts == ["Hi", "-- and you?"]
+
+
+def test_the_tools_read_a_record_without_cwd_from_where_its_relative_output_dir_led(tmp_path, monkeypatch):
+    """A training_args.json from before dschat recorded "cwd": rw_eval, ppo_eval and the reward model lookup read its
+    relative paths from the folder the tool ran in, unlike train.py --resume (``record_cwd``): from another folder,
+    rw_eval and ppo_eval took the step's relative data file as a file there (none: "no such file"), and a step-3
+    folder given as the reward model named its reward model as typed. They read them from where its relative
+    --output_dir led, as --resume does: one rule."""
+    from types import SimpleNamespace
+
+    from dschat.tools import ppo_eval, rw_eval
+
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    (repo / "data").mkdir(parents=True)
+    pairs = repo / "data" / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "Why?", "chosen": "Because.", "rejected": "No."}) + "\n")
+    rm = _model_folder(repo / "output" / "step2_rm")
+    (rm / "training_args.json").write_text(json.dumps({"step": "step2", "flags": {
+        "output_dir": "output/step2_rm", "data_path": ["jsonl:data/pairs.jsonl"]}}))
+    actor = _model_folder(repo / "output" / "step3_ppo" / "actor")
+    (actor.parent / "training_args.json").write_text(json.dumps({"step": "step3", "world_size": 1, "flags": {
+        "output_dir": "output/step3_ppo", "data_path": ["jsonl:data/pairs.jsonl"],
+        "reward_model_name_or_path": "output/step2_rm"}}))
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    args = SimpleNamespace(pairs_file=None, prompt=None, data_split=None)
+    assert rw_eval.step2_run_defaults(args, (str(rm), None))[0]["pairs_file"] == f"jsonl:{pairs}"
+    parsed = ppo_eval.parse_args(["--policy", str(actor)])
+    assert (parsed.data_path, parsed.reward_model) == ([f"jsonl:{pairs}"], str(rm))
+    with pytest.raises(MissingInputError, match=rf"its step 3 scored with {re.escape(str(rm))}; give that"):
+        find_reward_model_path(str(actor.parent))

@@ -245,6 +245,7 @@ def _step3_folders_scoring(path, run):
     """What step 3's output folder ``path`` (its training_args.json ``run``) holds and what its step 3 scored with
     instead, else None: rw_eval given step3_ppo said only that it held no step2_rm, a critic-free run's even once a
     critic's named the reward model."""
+    from dschat.steps.common import record_cwd
     from dschat.utils.files import path_under
 
     flags = run["flags"]
@@ -253,8 +254,9 @@ def _step3_folders_scoring(path, run):
     here = f"{path}: step 3's output folder ({holds}), not a reward model"
     given = flags.get("reward_model_name_or_path") or flags.get("critic_model_name_or_path")
     if isinstance(given, str) and flags.get("reward_model_weight", 1.0):
-        return (f"{here}: its step 3 scored with {path_under(run.get('cwd'), given) or given}; give that, or the "
-                f"run's output folder {os.path.dirname(os.path.abspath(os.path.expanduser(path)))}")
+        folder = os.path.expanduser(path)  # (the record's: its relative paths read from ``record_cwd``)
+        return (f"{here}: its step 3 scored with {path_under(record_cwd(run, folder), given) or given}; give that, "
+                f"or the run's output folder {os.path.dirname(os.path.abspath(folder))}")
     function = _reward_fn_alone(run)
     return f"{here}: {_no_reward_model(function)}" if function is not None else None
 

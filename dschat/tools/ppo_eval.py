@@ -23,7 +23,7 @@ from dschat.rlhf.evaluation import evaluate_policy, hf_generate, rule_scorer_for
 from dschat.rlhf.reward_fn import load_reward_fn
 from dschat.report import counted
 from dschat.run_layout import DPO_DIR, PPO_DIR, REPORT_FILE, SFT_DIR
-from dschat.steps.common import RUN_ARGS_FILE, among_inputs, read_run_args
+from dschat.steps.common import RUN_ARGS_FILE, among_inputs, read_run_args, record_cwd
 from dschat.steps.ppo import held_out_loader_once, step3_eval_prompts
 from dschat.tools.common import (add_loading_args, check_stdout_open, default_device, find_policy_path,
                                  find_reward_model_path, flag_path, flag_path_and_report, load_policy,
@@ -246,9 +246,9 @@ def step3_run_defaults(args, policy_lookup=None):
     if run.get("step") == DPO_DIR:
         return dpo_run_defaults(run, folder, args, run_folder_report)
     flags = run["flags"]
-    defaults = run_data_defaults(run, STEP3_DATA_FLAGS)
+    defaults = run_data_defaults(run, folder, STEP3_DATA_FLAGS)
     defaults.update(run_data_cache(run, folder))
-    defaults.update(run_reward_sources(flags, run.get("cwd"), args.reward_fn, folder, run.get("inputs")))
+    defaults.update(run_reward_sources(flags, record_cwd(run, folder), args.reward_fn, folder, run.get("inputs")))
     defaults["num_prompts"] = step3_eval_prompts(flags.get("eval_prompts", 64),
                                                  flags.get("per_device_generation_batch_size", 16),
                                                  run.get("world_size", 1))
@@ -306,7 +306,8 @@ def dpo_run_defaults(dpo_run, dpo_folder, args, report=None):
     """(this tool's defaults from the DPO run ``dpo_run`` (read_run_args') whose model is ``dpo_folder``, where they
     come from): its data flags (``DPO_DATA_FLAGS``) and cache, and the flags train.py --recipe dpo's report scored
     with. ``report``: the ``run_report`` of the run folder that holds ``dpo_folder``, where already read."""
-    defaults, source = run_data_defaults(dpo_run, DPO_DATA_FLAGS), os.path.join(dpo_folder, RUN_ARGS_FILE)
+    defaults = run_data_defaults(dpo_run, dpo_folder, DPO_DATA_FLAGS)
+    source = os.path.join(dpo_folder, RUN_ARGS_FILE)
     defaults.update(run_data_cache(dpo_run, dpo_folder))
     reported, said = reported_rule_score_defaults(dpo_folder, os.path.dirname(dpo_folder), args,
                                                   defaults.get("data_path"), report)
@@ -347,18 +348,18 @@ def reported_rule_score_defaults(policy, run_folder, args, data_path, report=Non
     return {}, ""
 
 
-def run_data_defaults(run, names):
-    """The flags ``names`` that the run recorded in ``run`` (read_run_args'), its --data_path as paths that name the
-    files it read from whatever folder this tool runs in."""
-    defaults = {name: run["flags"][name] for name in names if name in run["flags"]}
+def run_data_defaults(run, record_folder, names):
+    """The flags ``names`` that the run recorded in ``run`` (read_run_args', from ``record_folder``), its --data_path
+    as paths that name the files it read from whatever folder this tool runs in (read from ``record_cwd``)."""
+    defaults, cwd = {name: run["flags"][name] for name in names if name in run["flags"]}, record_cwd(run, record_folder)
     if "data_path" in defaults:
-        defaults["data_path"] = anchored_data_path(defaults["data_path"], run.get("cwd"))
+        defaults["data_path"] = anchored_data_path(defaults["data_path"], cwd)
     if defaults.get("data_fields"):  # (a mapping per dataset names each as its --data_path does)
         from dschat.data.fields import as_data_fields
 
         fields = as_data_fields(defaults["data_fields"])  # (a notebook's run recorded its dict: as its text here)
         if fields.by_dataset:
-            defaults["data_fields"] = fields.anchored(lambda spec: anchored_data_path(spec, run.get("cwd"))).as_text()
+            defaults["data_fields"] = fields.anchored(lambda spec: anchored_data_path(spec, cwd)).as_text()
         elif not isinstance(defaults["data_fields"], str):
             defaults["data_fields"] = fields.as_text()
     return defaults
@@ -371,7 +372,7 @@ def run_data_cache(run, record_folder):
     /tmp/dschat_data_files: a cache in the run's folder (the parent of the step's --output_dir; train.py's) where
     that folder is now, moved or copied; another as the step read it from its working directory. {} where the run
     recorded none, or that cache is no folder this tool may write now (another machine's /tmp, a read-only copy)."""
-    flags, cwd = run["flags"], run.get("cwd") or ""
+    flags, cwd = run["flags"], record_cwd(run, record_folder)
     if not (flags.get("data_output_path") and flags.get("output_dir")):
         return {}
     then_cache, then_output = (os.path.normpath(os.path.join(cwd, flags[name])) for name in ("data_output_path",

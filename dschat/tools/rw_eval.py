@@ -195,7 +195,7 @@ def step2_run_defaults(args, model_lookup=None):
     ``model_lookup``: --model_name_or_path's (path, report), ``flag_path_and_report``'s, where already looked up."""
     from dschat.data.pipeline import as_list
     from dschat.data.raw_datasets import HUB_DATASETS, anchored_data_path, resolve_dataset_spec
-    from dschat.steps.common import RUN_ARGS_FILE, read_run_args
+    from dschat.steps.common import RUN_ARGS_FILE, read_run_args, record_cwd
 
     path, _ = model_lookup or flag_path_and_report("--model_name_or_path", find_reward_model_path,
                                                    args.model_name_or_path)
@@ -204,11 +204,12 @@ def step2_run_defaults(args, model_lookup=None):
         return {}, None
     trained = run["flags"]
     defaults = {name: trained[name] for name in ("max_seq_len", "add_eot_token") if trained.get(name)}
-    data = as_list(anchored_data_path(trained.get("data_path") or [], run.get("cwd")))
+    cwd = record_cwd(run, path)  # (where the run read its relative paths from)
+    data = as_list(anchored_data_path(trained.get("data_path") or [], cwd))
     args_file = os.path.join(path, RUN_ARGS_FILE)
     if args.pairs_file is None and args.prompt is None and len(data) == 1:
         if data[0] in HUB_DATASETS:
-            check_hub_data_read_here(data[0], run.get("cwd"), args_file)
+            check_hub_data_read_here(data[0], cwd, args_file)
         try:
             resolve_dataset_spec(data[0])
         except UsageError as error:  # (moved or deleted since: said so, not as a flag the user gave)
