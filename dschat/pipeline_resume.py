@@ -265,9 +265,11 @@ def another_steps_checkpoint(step, recipe, folder):
     from dschat.utils.checkpoints import check_same_step
 
     root = os.path.join(folder, CHECKPOINTS_DIR)
-    tag = latest_tag(root)
-    if tag is None:
+    if not os.path.isfile(os.path.join(root, LATEST)):
+        # (no last checkpoint to tell the step of: latest_tag would say again what the plan's checkpoint_state said,
+        # "holds checkpoint ... but no latest pointer", once more in the same plan)
         return None
+    tag = latest_tag(root)
     # (train.py gives each step its folder: "its own --output_dir", a step script's advice, is no flag of its user's)
     keep = (f"train.py keeps only step {step}'s checkpoints there (another run given that folder, or a copy?); to keep "
             f"these, move {root} out of train.py's --output-dir before the next --resume")

@@ -394,6 +394,17 @@ def test_another_steps_checkpoint_in_a_folder_the_plan_starts_afresh_is_refused_
     assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: FRESH}
 
 
+def test_a_checkpoint_without_its_latest_pointer_is_said_once_by_the_plan(tmp_path, capsys):
+    """A step's folder holding one complete checkpoint and no latest pointer (its save killed before it published):
+    the plan starts the step afresh, saying the checkpoint is not resumed from. Its check for another step's
+    checkpoint (``another_steps_checkpoint``) looked the pointer up again: the line was printed twice."""
+    finish(tmp_path, 1, 100), finish(tmp_path, 2, 200), checkpoint(tmp_path, 3, 300)
+    (tmp_path / FOLDERS[3] / "checkpoints" / "latest").unlink()
+    capsys.readouterr()
+    assert plan(tmp_path) == {1: SKIP, 2: SKIP, 3: FRESH}
+    assert capsys.readouterr().out.count("but no latest pointer") == 1
+
+
 def test_an_older_dschats_checkpoint_trains_afresh_where_a_change_reaches_its_models_families(tmp_path):
     """train.py --resume resumed an older dschat's interrupted checkpoint whatever change since reached it (no folder:
     the families of its models unknown), with a note: an RWKV step 2 resumed from one of version 1 finished as an
