@@ -593,24 +593,36 @@ class StepParser(HintingParser):
 
 class TrainPyParser(HintingParser):
     """train.py's parser: an unrecognized flag that a step takes, or that train.py spells otherwise, says how to pass
-    it (``pipeline.step_flag_hint``)."""
+    it (``pipeline.step_flag_hint``); else the train.py flags it may have meant; else the step flags it may have meant
+    and how to pass them (``pipeline.close_step_flags_hint``: ``--entropy_coeff`` for step 3's --entropy_coef)."""
 
     def flag_hint(self, given):
-        from dschat.pipeline import step_flag_hint
+        from dschat.pipeline import close_step_flags_hint, step_flag_hint
 
-        return step_flag_hint(given) or super().flag_hint(given)
+        return step_flag_hint(given) or super().flag_hint(given) or close_step_flags_hint(given)
+
+
+def step_scripts():
+    """(name, step number, parser factory, folder under training/, train.py's option passing it) of each step
+    script."""
+    return (("step 1", 1, step1_parser, "step1_sft", "--step1-args"),
+            ("step 2", 2, step2_parser, "step2_rm", "--step2-args"),
+            ("DPO", 2, step2_dpo_parser, "step2_dpo", "--step2-args with --recipe dpo"),
+            ("step 3", 3, step3_parser, "step3_ppo", "--step3-args"))
 
 
 def scripts_taking(flag):
     """(name, step number, folder under training/, train.py's option passing it) of each step script whose parser
     takes ``flag``: the one place that works out which steps take a flag (``steps_taking``, train.py's
     ``pipeline.step_flag_hint``)."""
-    scripts = (("step 1", 1, step1_parser, "step1_sft", "--step1-args"),
-               ("step 2", 2, step2_parser, "step2_rm", "--step2-args"),
-               ("DPO", 2, step2_dpo_parser, "step2_dpo", "--step2-args with --recipe dpo"),
-               ("step 3", 3, step3_parser, "step3_ppo", "--step3-args"))
-    return [(name, step, folder, option) for name, step, parser, folder, option in scripts
+    return [(name, step, folder, option) for name, step, parser, folder, option in step_scripts()
             if flag in parser()._option_string_actions]
+
+
+def step_flags():
+    """The long flags of all the step scripts that a hint may name (``long_flags``), each once, in the steps' order
+    (train.py's ``pipeline.close_step_flags_hint``)."""
+    return list(dict.fromkeys(flag for _, _, parser, _, _ in step_scripts() for flag in parser().long_flags()))
 
 
 def steps_taking(flag, under_train_py=False):

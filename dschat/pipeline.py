@@ -378,10 +378,49 @@ def step_flag_hint(flag):
         taking, spelled = scripts_taking(steps_spelling), f" (spelled {steps_spelling} there)"
     if not taking:
         return None
-    steps = ", ".join(map(str, dict.fromkeys(step for _, step, _, _ in taking)))
-    where = " / ".join(option for _, _, _, option in taking)
+    steps, where = _steps_and_options(taking)
     return (f"{flag}: a flag of step {steps}{spelled}; give it to train.py inside {where} (one quoted string each), "
             "or run the step's training/.../main.py")
+
+
+def close_step_flags_hint(flag):
+    """For a flag train.py does not take, nor a step, nor is it close to one of train.py's: the step flags it may have
+    meant (``close_names``, as a step's own parser finds its flags: ``--entropy_coeff`` for step 3's --entropy_coef),
+    with where they go, in words; else None."""
+    from dschat.args import LOCAL_RANK_FLAGS, close_names, step_flags
+
+    # (the launcher's --local_rank is no flag to pass to a step: train.py takes it itself)
+    meant = close_names(flag, [name for name in step_flags() if name not in LOCAL_RANK_FLAGS])
+    if not meant:
+        return None
+    places = {}  # (flags going to the same place are said together, in close_names' order)
+    for name in meant:
+        places.setdefault(_where_step_flag_goes(name), []).append(name)
+    return f"{flag}: did you mean {' or '.join(_flags_and_place(names, place) for place, names in places.items())}?"
+
+
+def _where_step_flag_goes(flag):
+    """Where a step's ``flag`` goes from train.py: train.py's option for it (``TRAIN_PY_NAMES``), else (the steps that
+    take it, their --stepN-args) as ``_steps_and_options`` says them."""
+    from dschat.args import scripts_taking
+
+    return TRAIN_PY_NAMES.get(flag) or _steps_and_options(scripts_taking(flag))
+
+
+def _flags_and_place(names, place):
+    """Step flags ``names`` and where they go (``_where_step_flag_goes``), in words."""
+    flags = " or ".join(names)
+    if isinstance(place, str):
+        return f"{flags} (train.py's {place})"
+    steps, where = place
+    a_flag, it = ("a flag", "it") if len(names) == 1 else ("flags", "them")
+    return f"{flags} ({a_flag} of step {steps}: give {it} to train.py inside {where})"
+
+
+def _steps_and_options(taking):
+    """``scripts_taking``'s answer as the step numbers ("1, 2") and train.py's options passing the flag to them."""
+    steps = ", ".join(map(str, dict.fromkeys(step for _, step, _, _ in taking)))
+    return steps, " / ".join(option for _, _, _, option in taking)
 
 
 def check_step_args(steps, args, tiny, parsers):

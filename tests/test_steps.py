@@ -636,6 +636,29 @@ def test_train_py_the_steps_and_the_tools_say_unknown_flags_hints_in_one_layout(
                                                 + "".join(f"  {line}\n" for line in said))
 
 
+def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
+    """train.py said nothing more for a misspelt step flag (``--entropy_coeff``) than that it is unrecognized, where
+    the step's own parser names the flag meant (``close_names``): now the step flags it may mean and where they go, in
+    the one layout; train.py's own close flags first (its --output-dir, not the steps' --output_dir), no hint naming
+    the launcher's --local_rank."""
+    step3 = "give {} to train.py inside --step3-args"
+    for given, said in (
+            ("--entropy_coeff", f"did you mean --entropy_coef (a flag of step 3: {step3.format('it')})?"),
+            ("--entropy-coeff=1", f"did you mean --entropy_coef (a flag of step 3: {step3.format('it')})?"),
+            ("--actor_learnig_rate", "did you mean --actor_learning_rate or --actor_lora_learning_rate (flags of "
+                                     f"step 3: {step3.format('them')})?"),
+            ("--model_name_or_pth", "did you mean --model_name_or_path (train.py's --actor-model / --reward-model) or "
+                                    "--actor_model_name_or_path (train.py's --actor-model)?"),
+            ("--ouput_dir", "did you mean --output-dir?")):
+        with pytest.raises(SystemExit):
+            _train_py_args(given)
+        flag = given.split("=")[0]
+        assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {given}\n  {flag}: {said}\n")
+    with pytest.raises(SystemExit):
+        _train_py_args("--local_rnk", "1")
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: --local_rnk 1\n")
+
+
 def test_train_py_says_how_to_pass_a_flag_only_dpo_takes(capsys):
     """train.py's hint for a step's flag read steps 1, 2 and 3's parsers, apart from ``args.steps_taking`` which reads
     DPO's too: DPO's --beta given to train.py was said to be unrecognized and no more. Both read ``scripts_taking``."""
