@@ -499,14 +499,18 @@ class HintingParser(SaidOnceParser):
 
     def typed_dash_hint(self, token):
         """A flag typed with a typographic dash (``–learning_rate``: "--" as a web page or word processor shows it),
-        which argparse takes for a value: the flag it spells or may have meant, in words, or None."""
+        which argparse takes for a value: the flag it spells or may have meant, else what ``flag_hint`` says of that
+        flag (another step's, train.py's step flags: ``–entropy_coef`` to train.py said nothing more), in words, or
+        None."""
         flag = typed_dashes_as_flag(token)
         if flag is None:
             return None
+        typed = f"{token.split('=', 1)[0]}: begins with a typographic dash, not '--'"
         meant = [flag] if flag in self._option_string_actions else self.flags_meant(flag)
-        if not meant:
-            return None
-        return f"{token.split('=', 1)[0]}: begins with a typographic dash, not '--'; did you mean {' or '.join(meant)}?"
+        if meant:
+            return f"{typed}; did you mean {' or '.join(meant)}?"
+        said = self.flag_hint(flag)
+        return f"{typed}; {said}" if said else None
 
     def flag_hint(self, given):
         """What the unknown flag ``given`` may be, in words, or None."""

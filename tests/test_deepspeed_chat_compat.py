@@ -1245,6 +1245,31 @@ def test_a_flag_typed_with_a_pasted_dash_names_the_flag_it_spells(capsys):
             in err, err
 
 
+
+def test_a_step_flag_typed_with_a_pasted_dash_says_what_the_flag_is(capsys):
+    """A flag the parser lacks typed with a pasted dash was said to be unrecognized and no more, where typed with "--"
+    it is told what it is: train.py's ``–entropy_coef`` (step 3's, and how to pass it), step 1's ``–print_answers``
+    (step 3's)."""
+    import runpy
+
+    from launch import REPO
+
+    from dschat.args import step1_parser
+
+    train = runpy.run_path(str(REPO / "train.py"))
+    typed = "begins with a typographic dash, not '--'"
+    for parse, given, said in (
+            (train["parse_args"], "\u2013entropy_coef", "--entropy_coef: a flag of step 3; give it to train.py inside "
+                                                        "--step3-args"),
+            (train["parse_args"], "\u2013entropy_coeff", "--entropy_coeff: did you mean --entropy_coef (a flag of "
+                                                         "step 3: give it to train.py inside --step3-args)?"),
+            (step1_parser().parse_args, "\u2014print_answers", "--print_answers: a flag of step 3 "
+                                                               "(training/step3_ppo/main.py)")):
+        with pytest.raises(SystemExit) as stopped:
+            parse([given, "1"])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"unrecognized arguments: {given} 1\n  {given}: {typed}; {said}" in err, err
+
 def test_the_local_rank_that_torch_distributed_launch_appends_is_taken(capsys):
     """torch.distributed.launch (torch 2) appends --local-rank=N to each rank's command line, deepspeed's launcher
     --local_rank=N: the steps, train.py and ppo_eval refused the first as an unrecognized argument; chat.py, rw_eval
