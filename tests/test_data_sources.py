@@ -3745,6 +3745,32 @@ def test_a_files_mixed_type_columns_written_while_parsed_are_kept_under_no_conte
     assert list(data["meta"]) == [record["meta"] for record in before]
 
 
+def test_a_hub_downloads_mixed_type_split_keeps_its_fingerprint_when_dschats_code_changes(tmp_path, monkeypatch):
+    """A hub dataset read from its download is recorded by its splits' datasets fingerprints (``hub_data_fingerprint``:
+    a finished step whose record differs now is trained again, "another revision in the HF datasets cache"). A split
+    with a mixed-type column, rebuilt and kept in datasets' cache (``_exact_json_dataset``), took the key it was kept
+    under, dschat.data's code in it, as its fingerprint: every change of that code, an upgrade, trained again the steps
+    trained on it. The records are still rebuilt for other code; the fingerprint changes with their content alone."""
+    from dschat.data import digests, reading
+    from dschat.data.pipeline import hub_data_fingerprint
+    from dschat.data.sources import hub_download_split
+
+    parsed = _parses_counted(monkeypatch)
+    path = write_records(_mixed_type_records(), tmp_path / "train-00000-of-00001.jsonl", "jsonl")
+
+    def fingerprint_in_a_new_process():
+        digests.forget_file_digests()
+        parsed.clear()
+        return hub_data_fingerprint({"train": hub_download_split([path])}), len(parsed)
+
+    before, _ = fingerprint_in_a_new_process()
+    with monkeypatch.context() as code:
+        code.setattr(reading, "_data_code_digest", lambda: "other code")
+        assert fingerprint_in_a_new_process() == (before, 1)
+    write_records(_mixed_type_records(texts=("no", "[1]")), tmp_path / "train-00000-of-00001.jsonl", "jsonl")
+    assert fingerprint_in_a_new_process()[0] != before
+
+
 def test_a_splits_records_pass_is_pruned_once_any_of_its_files_is_written(tmp_path, monkeypatch):
     """A split's records' pass named its first file alone for pruning (``prune_kept_digests``): a pass of shards whose
     second was written since, which no process reads again (kept by the old content's hash), stayed for as long as

@@ -1140,25 +1140,30 @@ def _exact_json_dataset(kind, path, features, also=()):
     from the json module's records, each value JSON-encoded, so strings stay strings and a bad value is
     reported at its own record.
 
-    The records rebuilt are kept in datasets' cache (``Dataset.from_generator``, memory-mapped) under a fingerprint of
-    the file's content, how it is read and dschat.data's code (``_exact_json_fingerprint``): the parse and the build,
-    5-9 s of each 7.5-14 s warm load of 100 MB of JSON Lines on 2 busy CPU cores (``bench/data_warm_load.py``), were
-    made by every load, though the file's check and its datasets load were kept by its content. A file written while
-    it is parsed keeps nothing (``_WrittenWhileParsed``).
+    The records rebuilt are kept in datasets' cache (``Dataset.from_generator``, memory-mapped) under a key of the
+    file's content, how it is read and dschat.data's code (``_exact_json_cache_key``): the parse and the build, 5-9 s
+    of each 7.5-14 s warm load of 100 MB of JSON Lines on 2 busy CPU cores (``bench/data_warm_load.py``), were made by
+    every load, though the file's check and its datasets load were kept by its content. A file written while it is
+    parsed keeps nothing (``_WrittenWhileParsed``). The dataset's own fingerprint is its rows' alone
+    (``_exact_json_rows_fingerprint``): a hub download's (``hub_data_fingerprint``) is what a step's checkpoints
+    record of its data, and one that changed with dschat.data's code had the finished steps trained on it trained
+    again after an upgrade, as if the hub cache held another revision.
     """
     from datasets import Dataset
 
     exact = _exact_json_features(features, also)
     hashed = file_digest_and_stamp(path)
     rows = functools.partial(_exact_json_rows, kind, path, exact, hashed.stamp)
+    fingerprint = _exact_json_rows_fingerprint(kind, path, hashed.sha256, exact)
     try:
-        return Dataset.from_generator(rows, features=exact,
-                                      fingerprint=_exact_json_fingerprint(kind, path, hashed.sha256, exact))
+        data = Dataset.from_generator(rows, features=exact, fingerprint=_exact_json_cache_key(fingerprint))
     except Exception as err:  # (datasets wraps what the generator raises)
         if not caused_by(err, _WrittenWhileParsed):
             raise
-    # (written meanwhile, rarely: the file as it is now, parsed again, kept nowhere)
-    return Dataset.from_list(list(_exact_json_rows(kind, path, exact, None)), features=exact)
+        # (written meanwhile, rarely: the file as it is now, parsed again, kept nowhere)
+        return Dataset.from_list(list(_exact_json_rows(kind, path, exact, None)), features=exact)
+    data._fingerprint = fingerprint  # (its cache folder is the key's: datasets' map caches there, by code too)
+    return data
 
 
 def _exact_json_features(features, also):
@@ -1193,15 +1198,21 @@ def _json_text(value):
     return None if value is None else json.dumps(value, ensure_ascii=False)
 
 
-def _exact_json_fingerprint(kind, path, digest, features):
-    """The fingerprint that ``_exact_json_dataset`` keeps a file's rebuilt records under: its content's sha256
-    (``digest``), how it is read (its kind, its compression by name, the ``features`` rebuilt), dschat.data's code and
-    the versions of datasets and pyarrow that wrote them."""
+def _exact_json_rows_fingerprint(kind, path, digest, features):
+    """What the rows ``_exact_json_dataset`` rebuilds are made from: the file's content's sha256 (``digest``) and how it
+    is read (its kind, its compression by name, the ``features`` rebuilt); not the code that makes them
+    (``_exact_json_cache_key``), as a file's sha256 is what local data is recorded by."""
+    key = json.dumps([kind, data_file_extensions(path)[1].lower(), digest, features.to_dict()], default=repr)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _exact_json_cache_key(rows_fingerprint):
+    """The fingerprint that ``_exact_json_dataset`` keeps a file's rebuilt records under in datasets' cache: their
+    ``_exact_json_rows_fingerprint``, dschat.data's code and the versions of datasets and pyarrow that wrote them."""
     import datasets
     import pyarrow
 
-    key = json.dumps([_data_code_digest(), datasets.__version__, pyarrow.__version__, kind,
-                      data_file_extensions(path)[1].lower(), digest, features.to_dict()], default=repr)
+    key = json.dumps([_data_code_digest(), datasets.__version__, pyarrow.__version__, rows_fingerprint])
     return hashlib.sha256(key.encode()).hexdigest()
 
 
