@@ -168,6 +168,30 @@ def test_ranks_gathering_submodule_by_submodule_refused_only_where_a_family_call
     check_ranks_gather_alike(model, 2)
 
 
+def test_a_deepseek_v4_engine_gathering_submodule_by_submodule_on_several_ranks_is_refused_in_every_step(monkeypatch):
+    """DeepSeek-V4 calls its compressors' norms only in a forward that fills a compression window: trained under ZeRO-3
+    fetched submodule by submodule on 2 CPU ranks, batches 3 and 20 tokens wide, gloo aborted in the first forward
+    (whole layers: trained). Only its generation on several ranks was refused (step 3's HF generate); now every
+    ZeRO-3 engine of it, trained or frozen, in any step (``prepare_zero3_hooks``). Not with whole layers as units,
+    not at ZeRO-2, not on one rank, not for RecurrentGemma (whose calls vary at a one-token prompt only)."""
+    from dschat.models.training_engine import prepare_zero3_hooks
+    from dschat.utils import dist
+    from tests.helpers import tiny_deepseek_v4_actor, tiny_recurrent_gemma_actor
+
+    zero3 = {"zero_optimization": {"stage": 3}}
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    model = tiny_deepseek_v4_actor()
+    with pytest.raises(UsageError, match=r"^a model trained or scored under ZeRO-3 on 2 ranks, each forward gathering "
+                                         r"its \(deepseek_v4\) weights submodule by submodule.*compressors' norms.*"
+                                         r"batches of other widths.*Use --zero3_fetch layer"):
+        prepare_zero3_hooks(model, zero3, "module")
+    prepare_zero3_hooks(model, {"zero_optimization": {"stage": 2}}, "module")
+    prepare_zero3_hooks(tiny_recurrent_gemma_actor(), zero3, "module")
+    prepare_zero3_hooks(model, zero3, "layer")  # (its decoder layers made whole units)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    prepare_zero3_hooks(tiny_deepseek_v4_actor(), zero3, "module")
+
+
 def test_zero3_fetch_flag_defaults_to_layer_in_every_step():
     assert step1_parser().parse_args([]).zero3_fetch == "layer"
     assert step1_parser().parse_args(["--zero3_fetch", "module"]).zero3_fetch == "module"

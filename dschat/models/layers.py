@@ -1,6 +1,6 @@
 """Where a decoder-only model keeps its repeated blocks, found without per-family tables, and how DeepSpeed ZeRO-3
 can fetch each of them as one unit; the families whose generation on several ranks needs such units
-(``CALLS_VARY_BY_LENGTH``)."""
+(``CALLS_VARY_BY_LENGTH``), and those whose every forward does (``EVERY_FORWARD_VARIES``)."""
 import torch
 from torch import nn
 
@@ -79,9 +79,20 @@ def mark_zero3_leaf_layers(model):
 CALLS_VARY_BY_LENGTH = {
     "recurrent_gemma": "a prompt of one token takes its recurrent blocks' decode path, which reads conv_1d's weight "
                        "without calling conv_1d, where a longer prompt calls it",
-    "deepseek_v4": "its compressed attention calls its compressors' norms only once a window of tokens fills, which "
-                   "a longer prompt fills first",
+    "deepseek_v4": "its compressed attention calls its compressors' norms only in a forward that fills a window of "
+                   "tokens (4 and 128 by default), which a longer prompt or batch fills first",
 }
+
+# Of ``CALLS_VARY_BY_LENGTH``, the families whose calls vary at the widths of training and scoring forwards too, not
+# only at a one-token prompt: a DeepSeek-V4 batch narrower than a compression window calls no compressor norm, and
+# each rank pads its batches to its own width, so every step's engine under ZeRO-3 fetched submodule by submodule
+# gathers other weights on its ranks (2 CPU ranks, training widths 3 and 20: gloo aborted; whole layers: trained).
+EVERY_FORWARD_VARIES = frozenset({"deepseek_v4"})
+
+
+def model_family(model):
+    """``model``'s ``config.model_type`` (a PEFT model's or a reward model's too: their config is their base's)."""
+    return getattr(getattr(model, "config", None), "model_type", None)
 
 
 def gathers_whole_layers(model):
@@ -93,18 +104,19 @@ def gathers_whole_layers(model):
     return bool(layers) and all(z3_leaf_module(layer) for layer in layers)
 
 
-def refuse_ranks_gathering_otherwise(family, world_size, generating, other_way=""):
+def refuse_ranks_gathering_otherwise(family, world_size, generating, other_way="",
+                                     ranks_differ="generating from prompts of other lengths", whose="the actor's"):
     """Refuse, naming the way out, ``generating`` (how the actor generates, every forward a ZeRO-3 gather submodule by
     submodule) on ``world_size`` ranks where ``family``'s layers call other submodules by length
-    (``CALLS_VARY_BY_LENGTH``): ranks generating from prompts of other lengths would gather other weights.
-    ``other_way``: another way out than whole-layer units, said after it."""
+    (``CALLS_VARY_BY_LENGTH``): ranks ``ranks_differ`` would gather other weights. ``other_way``: another way out than
+    whole-layer units, said after it; ``whose``: the model's name in the message."""
     if world_size < 2 or family not in CALLS_VARY_BY_LENGTH:
         return
-    raise UsageError(f"{generating} under ZeRO-3 on {world_size} ranks, each forward gathering the actor's "
+    raise UsageError(f"{generating} under ZeRO-3 on {world_size} ranks, each forward gathering {whose} "
                      f"({family}) weights submodule by submodule (--zero3_fetch module), and "
-                     f"{CALLS_VARY_BY_LENGTH[family]}: ranks generating from prompts of other lengths would gather "
-                     "other weights (a hang). Use --zero3_fetch layer (the default: each decoder layer gathered "
-                     f"whole, whatever it calls inside){other_way}")
+                     f"{CALLS_VARY_BY_LENGTH[family]}: ranks {ranks_differ} would gather other weights (a hang). Use "
+                     "--zero3_fetch layer (the default: each decoder layer gathered whole, whatever it calls inside)"
+                     f"{other_way}")
 
 
 def check_ranks_gather_alike(model, world_size):
@@ -112,6 +124,17 @@ def check_ranks_gather_alike(model, world_size):
     parameters are not pinned (every forward a gather), where its decoder layers are not ZeRO-3's fetch units."""
     if world_size > 1 and not gathers_whole_layers(model):
         refuse_ranks_gathering_otherwise(
-            getattr(getattr(model, "config", None), "model_type", None), world_size,
+            model_family(model), world_size,
             "the hybrid engine generating without pinned parameters (hybrid_engine.pin_parameters false)",
             ", or keep the actor's parameters pinned (hybrid_engine.pin_parameters true: no --unpin_actor_parameters)")
+
+
+def check_ranks_forward_alike(model, world_size):
+    """``refuse_ranks_gathering_otherwise`` for any ZeRO-3 engine of ``model`` (``EVERY_FORWARD_VARIES``: its
+    training and scoring forwards too, each rank's batches of their own width) on ``world_size`` ranks, where its
+    decoder layers are not ZeRO-3's fetch units: called by ``training_engine.prepare_zero3_hooks`` in every step,
+    before ``deepspeed.initialize``."""
+    family = model_family(model)
+    if family in EVERY_FORWARD_VARIES and world_size > 1 and not gathers_whole_layers(model):
+        refuse_ranks_gathering_otherwise(family, world_size, "a model trained or scored", ranks_differ="forwarding "
+                                         "batches of other widths (each rank pads its own)", whose="its")

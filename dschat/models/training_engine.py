@@ -168,9 +168,11 @@ def _release_deepspeed_engine(engine):
 def prepare_zero3_hooks(model, ds_config, zero3_fetch):
     """Under ZeRO-3 with ``--zero3_fetch layer``, make the decoder layers DeepSpeed's fetch units (before
     ``deepspeed.initialize`` registers its hooks); a model that rescales weights in place as its mode changes (RWKV)
-    no longer does (``no_in_place_rescaling``)."""
-    from dschat.models.layers import ZERO3_FETCH_UNITS, mark_zero3_leaf_layers
+    no longer does (``no_in_place_rescaling``); a family whose forwards gather other weights by width is refused on
+    several ranks without such units (``check_ranks_forward_alike``)."""
+    from dschat.models.layers import ZERO3_FETCH_UNITS, check_ranks_forward_alike, mark_zero3_leaf_layers
     from dschat.models.zero3 import no_in_place_rescaling
+    from dschat.utils.dist import get_world_size
 
     if zero3_fetch not in ZERO3_FETCH_UNITS:
         raise UsageError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
@@ -179,6 +181,8 @@ def prepare_zero3_hooks(model, ds_config, zero3_fetch):
     if ds_config["zero_optimization"]["stage"] == 3 and zero3_fetch == "layer" and not mark_zero3_leaf_layers(model):
         print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack usable as --zero3_fetch layer units (mixed "
                      "or miscounted blocks, or layerdrop); DeepSpeed's per-module hooks")
+    if ds_config["zero_optimization"]["stage"] == 3:  # (after the layers were made units, or not)
+        check_ranks_forward_alike(model, get_world_size())
 
 
 def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr_scheduler_type, num_warmup_steps,
