@@ -1040,6 +1040,35 @@ def test_an_arrow_or_feather_file_named_as_data_is_told_how_to_write_it_as_parqu
     assert len(raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]) == len(RECORDS)
 
 
+@pytest.mark.parametrize("name", ["x.jsonl", "x.csv", "x.json"])
+def test_an_arrow_stream_named_as_data_is_told_what_it_is_and_the_fix(tmp_path, name):
+    """datasets' save_to_disk shard (data-00000-of-00001.arrow) is an Arrow IPC stream: no magic word, its first bytes
+    a continuation marker (0xFFFFFFFF). Named x.jsonl or x.csv it was "not UTF-8 text (a NUL byte ...: UTF-16?)". It
+    is told by its first and last (end-of-stream) bytes now: the save_to_disk folder it is from is read as
+    disk:FOLDER, and the command given writes the file alone as the Parquet file dschat reads. A text whose first bytes
+    are 0xFF but does not end as a stream does stays "not UTF-8", and one of those four bytes alone is no stream."""
+    import subprocess
+
+    saved = tmp_path / "saved"
+    Dataset.from_list(RECORDS).save_to_disk(str(saved))
+    path = tmp_path / name
+    shutil.copy(saved / "data-00000-of-00001.arrow", path)
+    assert path.read_bytes().startswith(b"\xff\xff\xff\xff")
+    with pytest.raises(DatasetFormatError, match=rf"{re.escape(name)}: the file is an Arrow IPC stream \(.*\), not "
+                                                 rf"{name.split('.')[1]}, and dschat does not read it: where it is "
+                                                 r"from a save_to_disk folder, give the folder as disk:FOLDER; else "
+                                                 r"write it as Parquet \(python -c .*\) and give the file that "
+                                                 r"writes$") as error:
+        raw(str(path), tmp_path)
+    assert len(raw(f"disk:{saved}", tmp_path).raw_datasets["train"]) == len(RECORDS)
+    subprocess.run(re.search(r"\((python -c .*)\) and give", str(error.value)).group(1), shell=True, check=True)
+    assert raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]["prompt"] == [r["prompt"] for r in RECORDS]
+    for text in (b"\xff\xff\xff\xff", b"\xff\xff\xff\xffprompt,chosen,rejected\n"):
+        path.write_bytes(text)
+        with pytest.raises(DatasetFormatError, match=r"not UTF-8 text"):
+            raw(f"csv:{path}", tmp_path)
+
+
 @pytest.mark.parametrize("column", ["PAR1", "FEA1", "ARROW1"])
 def test_a_csv_whose_first_column_is_named_as_a_binary_tables_magic_is_read_as_csv(tmp_path, column):
     """A CSV whose header begins with a binary table's magic (a column named PAR1 or FEA1: "feature 1") was refused

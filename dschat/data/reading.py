@@ -63,19 +63,31 @@ PACKED_JSON = tuple(DECOMPRESSORS)  # (their extensions: a JSON file named so, x
 class BinaryTable:
     """A binary table file, told by its first bytes (``magic``, as a compression's) whatever its name: a Parquet file
     named train.csv or train.jsonl was read as text, "not UTF-8 text (byte 0xd4 at column 8)", and an Arrow file's NULs
-    said "UTF-16?". Its last bytes are its ``magic`` too (each format ends with it: ``is_binary_table``), or a CSV whose
-    first column is named PAR1 or FEA1 is one. ``what``: its words; ``kind``: the data type dschat reads it as, by its
-    ``extension`` (EXTENSION_TYPES), None for one it does not read."""
+    said "UTF-16?". Its last bytes are its ``magic`` too, or ``end`` where given (each format writes them last:
+    ``is_binary_table``), or a CSV whose first column is named PAR1 or FEA1 is one. ``what``: its words; ``kind``: the
+    data type dschat reads it as, by its ``extension`` (EXTENSION_TYPES), None for one it does not read, told the
+    Python that writes it as Parquet: ``read``, pyarrow's expression that reads it ({path}: the file's), after
+    ``advice``, where said, on what to give instead."""
     what: str
     extension: str
     magic: bytes
     kind: str | None = None
+    end: bytes | None = None
+    read: str = "pyarrow.feather.read_table({path})"
+    advice: str = ""
 
 
-# by name: what pandas' to_parquet and to_feather write (Feather v2 is an Arrow IPC file)
+# by name: what pandas' to_parquet and to_feather write (Feather v2 is an Arrow IPC file), and the Arrow IPC stream
+# datasets writes: a save_to_disk folder's data-00000-of-00001.arrow and its cache files, a message length's
+# continuation marker first and the end-of-stream marker last (no magic word: ``told_by_magic`` takes the marker)
 BINARY_TABLES = {"parquet": BinaryTable("a Parquet file", ".parquet", rb"PAR1", "parquet"),
                  "arrow": BinaryTable("an Arrow IPC (Feather v2) file", ".arrow", rb"ARROW1"),
-                 "feather": BinaryTable("a Feather v1 file", ".feather", rb"FEA1")}
+                 "feather": BinaryTable("a Feather v1 file", ".feather", rb"FEA1"),
+                 "arrow_stream": BinaryTable(
+                     "an Arrow IPC stream (as a datasets save_to_disk folder's data-00000-of-00001.arrow)", ".arrow",
+                     rb"\xff\xff\xff\xff", end=b"\xff\xff\xff\xff\x00\x00\x00\x00",
+                     read="pyarrow.ipc.open_stream({path}).read_all()",
+                     advice="where it is from a save_to_disk folder, give the folder as disk:FOLDER; else ")}
 
 
 def told_by_magic(formats, head):
@@ -550,25 +562,30 @@ def check_bytes_read_as(kind, path, where=None, head=None):
 
 
 def is_binary_table(path, table):
-    """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends with it too, as a whole file of that
-    format does (Parquet, Arrow IPC and Feather v1 all write it last): a CSV whose header begins "PAR1," or "FEA1,"
-    (text) was refused as a Parquet or Feather file."""
+    """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends with its last bytes too (its magic,
+    or its ``end``), as a whole file of that format does (Parquet, Arrow IPC and Feather v1 all write their magic last;
+    an Arrow IPC stream its end-of-stream marker): a CSV whose header begins "PAR1," or "FEA1," (text) was refused as a
+    Parquet or Feather file. A file no longer than its last bytes is not one: its first bytes were its last."""
+    end = table.end or table.magic
     with open(path, "rb") as f:
-        f.seek(-len(table.magic), os.SEEK_END)  # (its first bytes matched: it is that long)
-        return f.read() == table.magic
+        if f.seek(0, os.SEEK_END) <= len(end):
+            return False
+        f.seek(-len(end), os.SEEK_END)
+        return f.read() == end
 
 
 def binary_table_error(path, kind, table, where=None):
     """The error for the file at ``path``, read as ``kind``, that is the binary ``table`` (a BinaryTable): one dschat
     reads is told the name to give it (train.csv: ``mv train.csv train.parquet``, in ``compressed_error``'s words), or,
-    named so already (given as TYPE:PATH), the type to give; another is told the command that writes it as Parquet.
-    ``where``: how the error names ``path``."""
+    named so already (given as TYPE:PATH), the type to give; another is told the command that writes it as Parquet,
+    after its ``advice`` (an Arrow IPC stream: the save_to_disk folder it is from, read as disk:FOLDER). ``where``: how
+    the error names ``path``."""
     said = f"{where or path}: the file is {table.what}, not {kind}"
     if table.kind is None:
         parquet = os.path.splitext(path)[0] + ".parquet"
-        code = (f"import pyarrow.feather as feather, pyarrow.parquet as pq; "
-                f"pq.write_table(feather.read_table({path!r}), {parquet!r})")
-        return DatasetFormatError(f"{said}, and dschat does not read it: write it as Parquet "
+        code = (f"import pyarrow.feather, pyarrow.ipc, pyarrow.parquet; "
+                f"pyarrow.parquet.write_table({table.read.format(path=repr(path))}, {parquet!r})")
+        return DatasetFormatError(f"{said}, and dschat does not read it: {table.advice}write it as Parquet "
                                   f"(python -c {shlex.quote(code)}) and give the file that writes")
     stem, extension = os.path.splitext(path)
     if extension.lower() == table.extension:
