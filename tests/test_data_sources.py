@@ -1019,24 +1019,55 @@ def test_a_parquet_file_named_as_text_is_told_the_name_to_give_it(tmp_path, name
         raw(f"csv:{folder / 'train.parquet'}", tmp_path)
 
 
+# the command an Arrow or Feather file named as data is told (``binary_table_command``): rename, write Parquet
+UNREAD_TABLE_FIX = re.compile(r"\(((?:mv |python -c ).*)\)")
+
+
+def write_unread_table(form, path, tmp_path):
+    """Write RECORDS at ``path`` as a binary table dschat does not read: Feather v1, an Arrow IPC file (Feather v2),
+    or an Arrow IPC stream (a save_to_disk shard's, copied)."""
+    import pyarrow
+    import pyarrow.feather
+
+    if form == "stream":
+        Dataset.from_list(RECORDS).save_to_disk(str(tmp_path / "saved"))
+        shutil.copy(tmp_path / "saved" / "data-00000-of-00001.arrow", path)
+    else:
+        version = {"feather1": 1, "arrow": 2}[form]
+        pyarrow.feather.write_feather(pyarrow.table(pd.DataFrame(RECORDS)), str(path), version=version)
+
+
+@pytest.mark.parametrize("form", ["feather1", "arrow", "stream"])
+def test_the_command_given_for_an_arrow_or_feather_train_file_in_a_folder_makes_the_folder_read(tmp_path, form):
+    """A folder whose train.csv is an Arrow or Feather file was told the command that writes train.parquet beside it,
+    and, given again, "the folder holds train.parquet and train.csv: keep one". The command names the file as what it
+    is (train.arrow, train.feather: no data name a folder is read by) before writing the Parquet file: following it,
+    the folder loads its records."""
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_unread_table(form, folder / "train.csv", tmp_path)
+    with pytest.raises(DatasetFormatError, match=r"train\.csv: the file is .*, not csv") as error:
+        raw(str(folder), tmp_path)
+    subprocess.run(UNREAD_TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    assert raw(str(folder), tmp_path).raw_datasets["train"]["prompt"] == [record["prompt"] for record in RECORDS]
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_an_arrow_or_feather_file_named_as_data_is_told_how_to_write_it_as_parquet(tmp_path, version):
     """An Arrow IPC (Feather v2) or Feather v1 file named x.csv was read as text, its NUL bytes said "UTF-16?". It is
     told by its first bytes now: dschat reads neither, and the command given writes the Parquet file it reads."""
     import subprocess
 
-    import pyarrow
-    import pyarrow.feather
-
     path = tmp_path / "x.csv"
-    pyarrow.feather.write_feather(pyarrow.table(pd.DataFrame(RECORDS)), str(path), version=version)
+    write_unread_table({1: "feather1", 2: "arrow"}[version], path, tmp_path)
     what = {1: "a Feather v1 file", 2: r"an Arrow IPC \(Feather v2\) file"}[version]
     with pytest.raises(DatasetFormatError, match=rf"x\.csv: the file is {what}, not csv, and dschat does not read "
-                                                 r"it: write it as Parquet \(python -c .*\) and give the file that "
-                                                 r"writes$") as error:
+                                                 r"it: name it so and write it as Parquet, which it reads "
+                                                 r"\((mv .* && python -c .*)\)$") as error:
         raw(str(path), tmp_path)
-    command = re.search(r"\((python -c .*)\) and give", str(error.value)).group(1)
-    subprocess.run(command, shell=True, check=True)
+    subprocess.run(UNREAD_TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
     assert len(raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]) == len(RECORDS)
 
 
@@ -1049,19 +1080,17 @@ def test_an_arrow_stream_named_as_data_is_told_what_it_is_and_the_fix(tmp_path, 
     are 0xFF but does not end as a stream does stays "not UTF-8", and one of those four bytes alone is no stream."""
     import subprocess
 
-    saved = tmp_path / "saved"
-    Dataset.from_list(RECORDS).save_to_disk(str(saved))
     path = tmp_path / name
-    shutil.copy(saved / "data-00000-of-00001.arrow", path)
+    write_unread_table("stream", path, tmp_path)
     assert path.read_bytes().startswith(b"\xff\xff\xff\xff")
     with pytest.raises(DatasetFormatError, match=rf"{re.escape(name)}: the file is an Arrow IPC stream \(.*\), not "
                                                  rf"{name.split('.')[1]}, and dschat does not read it: where it is "
                                                  r"from a save_to_disk folder, give the folder as disk:FOLDER; else "
-                                                 r"write it as Parquet \(python -c .*\) and give the file that "
-                                                 r"writes$") as error:
+                                                 r"name it so and write it as Parquet, which it reads "
+                                                 r"\(mv .* && python -c .*\)$") as error:
         raw(str(path), tmp_path)
-    assert len(raw(f"disk:{saved}", tmp_path).raw_datasets["train"]) == len(RECORDS)
-    subprocess.run(re.search(r"\((python -c .*)\) and give", str(error.value)).group(1), shell=True, check=True)
+    assert len(raw(f"disk:{tmp_path / 'saved'}", tmp_path).raw_datasets["train"]) == len(RECORDS)
+    subprocess.run(UNREAD_TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
     assert raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]["prompt"] == [r["prompt"] for r in RECORDS]
     for text in (b"\xff\xff\xff\xff", b"\xff\xff\xff\xffprompt,chosen,rejected\n"):
         path.write_bytes(text)

@@ -577,21 +577,39 @@ def is_binary_table(path, table):
 def binary_table_error(path, kind, table, where=None):
     """The error for the file at ``path``, read as ``kind``, that is the binary ``table`` (a BinaryTable): one dschat
     reads is told the name to give it (train.csv: ``mv train.csv train.parquet``, in ``compressed_error``'s words), or,
-    named so already (given as TYPE:PATH), the type to give; another is told the command that writes it as Parquet,
-    after its ``advice`` (an Arrow IPC stream: the save_to_disk folder it is from, read as disk:FOLDER). ``where``: how
-    the error names ``path``."""
+    named so already (given as TYPE:PATH), the type to give; another is told the command that names it so and writes
+    it as Parquet (``binary_table_command``), after its ``advice`` (an Arrow IPC stream: the save_to_disk folder it is
+    from, read as disk:FOLDER). ``where``: how the error names ``path``."""
     said = f"{where or path}: the file is {table.what}, not {kind}"
     if table.kind is None:
-        parquet = os.path.splitext(path)[0] + ".parquet"
-        code = (f"import pyarrow.feather, pyarrow.ipc, pyarrow.parquet; "
-                f"pyarrow.parquet.write_table({table.read.format(path=repr(path))}, {parquet!r})")
-        return DatasetFormatError(f"{said}, and dschat does not read it: {table.advice}write it as Parquet "
-                                  f"(python -c {shlex.quote(code)}) and give the file that writes")
-    stem, extension = os.path.splitext(path)
-    if extension.lower() == table.extension:
+        named = "" if binary_table_path(path, table) == path else "name it so and "
+        return DatasetFormatError(f"{said}, and dschat does not read it: {table.advice}{named}write it as Parquet, "
+                                  f"which it reads ({binary_table_command(path, table)})")
+    if binary_table_path(path, table) == path:
         return DatasetFormatError(f"{said}: give it as {table.kind}:{path}")
-    return DatasetFormatError(f"{said}: name it so ({rename_command(path, stem + table.extension)}), and it is read "
-                              f"as {table.kind}")
+    return DatasetFormatError(f"{said}: name it so ({binary_table_command(path, table)}), and it is read as "
+                              f"{table.kind}")
+
+
+def binary_table_path(path, table):
+    """``path`` named with ``table``'s extension in place of its own (train.csv: train.parquet, train.arrow)."""
+    stem, extension = os.path.splitext(path)
+    return path if extension.lower() == table.extension else stem + table.extension
+
+
+def binary_table_command(path, table):
+    """The shell command that makes the file at ``path``, the binary ``table``, read by dschat: one it reads, named
+    with its extension (``binary_table_path``); another, so named, then written beside as Parquet by pyarrow (its
+    ``read``). Not the Parquet file alone: a dataset folder's train.csv left beside the train.parquet written was
+    "the folder holds train.parquet and train.csv: keep one", and given again, the same error."""
+    named = binary_table_path(path, table)
+    commands = [rename_command(path, named)] if named != path else []
+    if table.kind is None:
+        parquet = os.path.splitext(named)[0] + ".parquet"
+        code = (f"import pyarrow.feather, pyarrow.ipc, pyarrow.parquet; "
+                f"pyarrow.parquet.write_table({table.read.format(path=repr(named))}, {parquet!r})")
+        commands.append(f"python -c {shlex.quote(code)}")
+    return " && ".join(commands)
 
 
 # A JSON or JSON Lines file's check that passed (``checked_json``) is kept by the file's content (its sha256), in
