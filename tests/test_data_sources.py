@@ -1019,8 +1019,8 @@ def test_a_parquet_file_named_as_text_is_told_the_name_to_give_it(tmp_path, name
         raw(f"csv:{folder / 'train.parquet'}", tmp_path)
 
 
-# the command an Arrow or Feather file named as data is told (``binary_table_command``): rename, write Parquet
-UNREAD_TABLE_FIX = re.compile(r"\(((?:mv |python -c ).*)\)")
+# the command a binary table named as data is told (``binary_table_command``): a rename, or one and a Parquet write
+TABLE_FIX = re.compile(r"\(((?:mv |python -c ).*)\)")
 
 
 def write_unread_table(form, path, tmp_path):
@@ -1050,7 +1050,7 @@ def test_the_command_given_for_an_arrow_or_feather_train_file_in_a_folder_makes_
     write_unread_table(form, folder / "train.csv", tmp_path)
     with pytest.raises(DatasetFormatError, match=r"train\.csv: the file is .*, not csv") as error:
         raw(str(folder), tmp_path)
-    subprocess.run(UNREAD_TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
     assert raw(str(folder), tmp_path).raw_datasets["train"]["prompt"] == [record["prompt"] for record in RECORDS]
 
 
@@ -1067,7 +1067,7 @@ def test_an_arrow_or_feather_file_named_as_data_is_told_how_to_write_it_as_parqu
                                                  r"it: name it so and write it as Parquet, which it reads "
                                                  r"\((mv .* && python -c .*)\)$") as error:
         raw(str(path), tmp_path)
-    subprocess.run(UNREAD_TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
     assert len(raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]) == len(RECORDS)
 
 
@@ -1090,12 +1090,37 @@ def test_an_arrow_stream_named_as_data_is_told_what_it_is_and_the_fix(tmp_path, 
                                                  r"\(mv .* && python -c .*\)$") as error:
         raw(str(path), tmp_path)
     assert len(raw(f"disk:{tmp_path / 'saved'}", tmp_path).raw_datasets["train"]) == len(RECORDS)
-    subprocess.run(UNREAD_TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
     assert raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]["prompt"] == [r["prompt"] for r in RECORDS]
     for text in (b"\xff\xff\xff\xff", b"\xff\xff\xff\xffprompt,chosen,rejected\n"):
         path.write_bytes(text)
         with pytest.raises(DatasetFormatError, match=r"not UTF-8 text"):
             raw(f"csv:{path}", tmp_path)
+
+
+@pytest.mark.parametrize("in_folder", [False, True])
+@pytest.mark.parametrize("name,form", [("train.jsonl.gz", "parquet"), ("train.csv.gz", "parquet"),
+                                       ("train.json.xz", "parquet"), ("train.csv.gz", "arrow")])
+def test_a_binary_table_named_compressed_is_told_its_fix_in_one_run(tmp_path, name, form, in_folder):
+    """A Parquet file named train.jsonl.gz (or .csv.gz, .json.xz) was told "not gzip data ...: where it is the
+    uncompressed file, name it so (mv train.jsonl.gz train.jsonl)", and only the next run that it is Parquet. It is
+    told what it is now, and the command given, followed once, makes the file (or its folder) read."""
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    path = folder / name
+    if form == "parquet":
+        pd.DataFrame(RECORDS).to_parquet(path)
+    else:
+        write_unread_table(form, path, tmp_path)
+    spec = str(folder if in_folder else path)
+    with pytest.raises(DatasetFormatError, match=r"not (gzip|xz) data, though its name says it is: it is an? "
+                                                 r"(Parquet|Arrow IPC)") as error:
+        raw(spec, tmp_path)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    written = str(folder if in_folder else folder / "train.parquet")
+    assert raw(written, tmp_path).raw_datasets["train"]["prompt"] == [record["prompt"] for record in RECORDS]
 
 
 @pytest.mark.parametrize("column", ["PAR1", "FEA1", "ARROW1"])

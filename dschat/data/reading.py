@@ -161,11 +161,17 @@ def misnamed_compressed_error(path, named, held, where=None, read_decompressed=F
     compression is told the name to give it (or ``plain_fix``: a folder's, the commands that write all its plain
     files); of a compression the file would be read decompressed in, named so (``read_decompressed``: a file
     ``open_data_file`` reads; PACKED_JSON_EXTENSIONS), that name; of another, that one's command
-    (``compressed_error``). ``where``: how the error names ``path``."""
+    (``compressed_error``). A binary table (``binary_table_of``: train.jsonl.gz that is Parquet) is told what it is
+    and its fix (``binary_table_fix``): it was told the uncompressed name, train.jsonl, and only the next run that it
+    is Parquet. ``where``: how the error names ``path``."""
     misnamed = f"{where or path}: not {named} data, though its name says it is"
     if held is None:
-        return DatasetFormatError(f"{misnamed}: " + (plain_fix or "where it is the uncompressed file, name it so "
-                                                     f"({plain_file_command(path, held)})"))
+        table = binary_table_of(path)
+        if table is None:
+            return DatasetFormatError(f"{misnamed}: " + (plain_fix or "where it is the uncompressed file, name it so "
+                                                         f"({plain_file_command(path, held)})"))
+        said = f"{misnamed}: it is {table.what}"
+        return DatasetFormatError(f"{said}: {plain_fix}" if plain_fix else f"{said}{binary_table_fix(path, table)}")
     if read_decompressed and held in PACKED_JSON_EXTENSIONS:
         renamed = named_compressed_with(path, PACKED_JSON_EXTENSIONS[held])
         return DatasetFormatError(f"{misnamed}: it is compressed with {held}; name it so "
@@ -185,10 +191,12 @@ def held_compression(path, named):
 def plain_file_command(path, held):
     """The shell command that writes the plain file of ``path``, a file named compressed (x.csv.gz) that holds
     ``held`` (``held_compression``): that compression's command (``decompress_command``), or for none the rename to
-    the name without the compression's extension (x.csv)."""
-    if held is None:
-        return rename_command(path, os.path.splitext(path)[0])
-    return decompress_command(path, held)
+    the name without the compression's extension (x.csv), or, for a binary table (``binary_table_of``), the command
+    that makes it read (``binary_table_command``: x.parquet)."""
+    if held is not None:
+        return decompress_command(path, held)
+    table = binary_table_of(path)
+    return rename_command(path, os.path.splitext(path)[0]) if table is None else binary_table_command(path, table)
 
 
 def text_encoding(path, head=None):
@@ -556,9 +564,16 @@ def check_bytes_read_as(kind, path, where=None, head=None):
     tool = compressed_with(path, head)
     if tool:
         raise compressed_error(path, tool, where, kind)
-    table = told_by_magic(BINARY_TABLES, head)
-    if table and BINARY_TABLES[table].kind != kind and is_binary_table(path, BINARY_TABLES[table]):
-        raise binary_table_error(path, kind, BINARY_TABLES[table], where)
+    table = binary_table_of(path, head)
+    if table is not None and table.kind != kind:
+        raise binary_table_error(path, kind, table, where)
+
+
+def binary_table_of(path, head=None):
+    """The BinaryTable the file at ``path`` is, told by its first bytes (``head`` where read already) and its last
+    (``is_binary_table``), else None."""
+    name = told_by_magic(BINARY_TABLES, _head_of(path) if head is None else head)
+    return BINARY_TABLES[name] if name and is_binary_table(path, BINARY_TABLES[name]) else None
 
 
 def is_binary_table(path, table):
@@ -581,19 +596,28 @@ def binary_table_error(path, kind, table, where=None):
     it as Parquet (``binary_table_command``), after its ``advice`` (an Arrow IPC stream: the save_to_disk folder it is
     from, read as disk:FOLDER). ``where``: how the error names ``path``."""
     said = f"{where or path}: the file is {table.what}, not {kind}"
-    if table.kind is None:
-        named = "" if binary_table_path(path, table) == path else "name it so and "
-        return DatasetFormatError(f"{said}, and dschat does not read it: {table.advice}{named}write it as Parquet, "
-                                  f"which it reads ({binary_table_command(path, table)})")
-    if binary_table_path(path, table) == path:
+    if table.kind is not None and binary_table_path(path, table) == path:
         return DatasetFormatError(f"{said}: give it as {table.kind}:{path}")
-    return DatasetFormatError(f"{said}: name it so ({binary_table_command(path, table)}), and it is read as "
-                              f"{table.kind}")
+    return DatasetFormatError(f"{said}{binary_table_fix(path, table)}")
+
+
+def binary_table_fix(path, table):
+    """The words, after what the file at ``path`` is, that tell how the binary ``table`` it is gets read: the name to
+    give one dschat reads, else that it does not read it and the command that writes it as Parquet
+    (``binary_table_command``)."""
+    command = binary_table_command(path, table)
+    if table.kind is not None:
+        return f": name it so ({command}), and it is read as {table.kind}"
+    named = "" if binary_table_path(path, table) == path else "name it so and "
+    return f", and dschat does not read it: {table.advice}{named}write it as Parquet, which it reads ({command})"
 
 
 def binary_table_path(path, table):
-    """``path`` named with ``table``'s extension in place of its own (train.csv: train.parquet, train.arrow)."""
+    """``path`` named with ``table``'s extension in place of its own, and of its compression's, which it does not
+    hold (train.csv: train.parquet, train.arrow; train.jsonl.gz: train.parquet)."""
     stem, extension = os.path.splitext(path)
+    if extension.lower() in COMPRESSED_EXTENSIONS:
+        return os.path.splitext(stem)[0] + table.extension
     return path if extension.lower() == table.extension else stem + table.extension
 
 
