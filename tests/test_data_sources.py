@@ -1098,6 +1098,29 @@ def test_an_arrow_stream_named_as_data_is_told_what_it_is_and_the_fix(tmp_path, 
             raw(f"csv:{path}", tmp_path)
 
 
+@pytest.mark.parametrize("name,form", [("data-00000-of-00001.arrow", "stream"), ("x.arrow", "arrow"),
+                                       ("x.feather", "feather1"), ("x.pq", "parquet")])
+def test_a_binary_table_whose_extension_names_no_data_type_is_told_what_it_is(tmp_path, name, form):
+    """A save_to_disk shard given by its own path (data-00000-of-00001.arrow), or an Arrow, Feather or Parquet file
+    named by an extension that is no data type's (x.feather, x.pq), was "cannot tell the format of the file from its
+    extension; write jsonl:PATH, json:PATH, parquet:PATH or csv:PATH", none of which reads an Arrow or Feather file,
+    and what the file is was told only by the next run, of the type followed. It is told by its bytes at once, with
+    the command that, followed, makes it read."""
+    import subprocess
+
+    path = tmp_path / name
+    if form == "parquet":
+        pd.DataFrame(RECORDS).to_parquet(path)
+    else:
+        write_unread_table(form, path, tmp_path)
+    with pytest.raises(UsageError, match=rf"^--data_path {re.escape(str(path))}: the file is an? ") as error:
+        raw(str(path), tmp_path)
+    assert "cannot tell the format" not in str(error.value)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    written = tmp_path / f"{os.path.splitext(name)[0]}.parquet"
+    assert raw(str(written), tmp_path).raw_datasets["train"]["prompt"] == [record["prompt"] for record in RECORDS]
+
+
 @pytest.mark.parametrize("in_folder", [False, True])
 @pytest.mark.parametrize("name,form", [("train.jsonl.gz", "parquet"), ("train.csv.gz", "parquet"),
                                        ("train.json.xz", "parquet"), ("train.csv.gz", "arrow")])

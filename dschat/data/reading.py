@@ -590,12 +590,13 @@ def is_binary_table(path, table):
 
 
 def binary_table_error(path, kind, table, where=None):
-    """The error for the file at ``path``, read as ``kind``, that is the binary ``table`` (a BinaryTable): one dschat
-    reads is told the name to give it (train.csv: ``mv train.csv train.parquet``, in ``compressed_error``'s words), or,
-    named so already (given as TYPE:PATH), the type to give; another is told the command that names it so and writes
-    it as Parquet (``binary_table_command``), after its ``advice`` (an Arrow IPC stream: the save_to_disk folder it is
-    from, read as disk:FOLDER). ``where``: how the error names ``path``."""
-    said = f"{where or path}: the file is {table.what}, not {kind}"
+    """The error for the file at ``path``, read as ``kind`` (None: its name tells no type, x.arrow), that is the binary
+    ``table`` (a BinaryTable): one dschat reads is told the name to give it (train.csv: ``mv train.csv
+    train.parquet``, in ``compressed_error``'s words), or, named so already (given as TYPE:PATH), the type to give;
+    another is told the command that names it so and writes it as Parquet (``binary_table_command``), after its
+    ``advice`` (an Arrow IPC stream: the save_to_disk folder it is from, read as disk:FOLDER). ``where``: how the
+    error names ``path``."""
+    said = f"{where or path}: the file is {table.what}" + (f", not {kind}" if kind else "")
     if table.kind is not None and binary_table_path(path, table) == path:
         return DatasetFormatError(f"{said}: give it as {table.kind}:{path}")
     return DatasetFormatError(f"{said}{binary_table_fix(path, table)}")

@@ -33,9 +33,9 @@ from .base import splits_said
 from .digests import all_files, file_digest_and_stamp
 from .errors import DatasetFormatError
 from .fields import EVAL_SPLIT_NAMES, EXTENSION_TYPES, LOCAL_TYPES, files_where
-from .reading import (COMPRESSED_EXTENSIONS, PACKED_JSON, _is_saved_dataset, check_bytes_read_as,
-                      check_folder_not_compressed, data_file_extensions, held_compression, load_split_files,
-                      misnamed_compressed_error)
+from .reading import (COMPRESSED_EXTENSIONS, PACKED_JSON, _is_saved_dataset, binary_table_error, binary_table_of,
+                      check_bytes_read_as, check_folder_not_compressed, data_file_extensions, held_compression,
+                      load_split_files, misnamed_compressed_error)
 
 
 TINY_DATA_DIR = Path(__file__).resolve().parents[1] / "tiny" / "data"
@@ -220,9 +220,23 @@ def _infer_kind(path, where):
     if tool and not (packed and kind in ("json", "jsonl")):
         raise misnamed_compressed_error(path, tool, held_compression(path, tool), where)
     if kind is None:
+        _check_not_a_binary_table(path, where)
         raise UsageError(f"{where}: cannot tell the format of the file from its extension; write jsonl:{path}, "
                          f"json:{path}, parquet:{path} or csv:{path}")
     return kind
+
+
+def _check_not_a_binary_table(path, where):
+    """A file whose extension names no data type that is a binary table by its bytes (a save_to_disk shard given by
+    its path, data-00000-of-00001.arrow; x.feather, x.pq) is said to be one, with its fix (``binary_table_error``): it
+    was told to be given as jsonl:, json:, parquet: or csv:, none of which reads an Arrow or Feather file, and what it
+    is only by the next run. One that cannot be read is left to the error that follows."""
+    try:
+        table = binary_table_of(path)
+    except OSError:
+        return
+    if table is not None:
+        raise binary_table_error(path, None, table, where)
 
 
 def _typed_source(kind, paths_text, spec, flag):
