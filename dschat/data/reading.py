@@ -64,10 +64,10 @@ class BinaryTable:
     """A binary table file, told by its first bytes (``magic``, as a compression's) whatever its name: a Parquet file
     named train.csv or train.jsonl was read as text, "not UTF-8 text (byte 0xd4 at column 8)", and an Arrow file's NULs
     said "UTF-16?". Its last bytes are its ``magic`` too, or ``end`` where given (each format writes them last:
-    ``is_binary_table``), or a CSV whose first column is named PAR1 or FEA1 is one. ``what``: its words; ``kind``: the
-    data type dschat reads it as, by its ``extension`` (EXTENSION_TYPES), None for one it does not read, told the
-    Python that writes it as Parquet: ``read``, pyarrow's expression that reads it ({path}: the file's), after
-    ``advice``, where said, on what to give instead."""
+    ``is_binary_table``; else a CSV whose first column is named PAR1 or FEA1 would be one). ``what``: its words;
+    ``kind``: the data type dschat reads it as, by its ``extension`` (EXTENSION_TYPES), None for one it does not read,
+    told the Python that writes it as Parquet: ``read``, pyarrow's expression that reads it ({path}: the file's),
+    after ``advice``, where said, on what to give instead."""
     what: str
     extension: str
     magic: bytes
@@ -798,8 +798,8 @@ def load_file(kind, path):
     file's check that passed for its content before is not made again (``checked_json``)."""
     record_lines = header = None
     # (its load's key, and a JSON file's check's: found once, again only where the file was written while it was
-    # checked; its first bytes (compressed? its text's encoding) read in the same open, a compressed file refused by
-    # them before it is read whole)
+    # checked; its first bytes (compressed? a binary table? its text's encoding) read in the same open, a compressed
+    # file or a binary table of another type refused by them before it is read whole: ``check_bytes_read_as``)
     hashed = file_digest_and_stamp(path, check_head=lambda head: check_bytes_read_as(kind, path, head=head))
     if hashed.head is None:  # (a hub blob: its hash is its name, the file not opened)
         check_bytes_read_as(kind, path)
