@@ -1019,6 +1019,20 @@ def test_a_parquet_file_named_as_text_is_told_the_name_to_give_it(tmp_path, name
         raw(f"csv:{folder / 'train.parquet'}", tmp_path)
 
 
+def test_a_parquet_file_given_as_another_type_is_told_the_type_to_give(tmp_path):
+    """A Parquet file given as csv:x.csv was told to be named x.parquet, "and it is read as parquet": so named, the
+    csv:x.csv given was a file not found, and the type was still the one to change. Given as TYPE:PATH, it is told the
+    type to give (parquet:x.csv, read as it is named); given by its path alone, the name to give it, as before."""
+    path = tmp_path / "x.csv"
+    pd.DataFrame(RECORDS).to_parquet(path)
+    with pytest.raises(DatasetFormatError, match=rf"the file is a Parquet file, not csv: give it as "
+                                                 rf"parquet:{re.escape(str(path))}$"):
+        raw(f"csv:{path}", tmp_path)
+    assert raw(f"parquet:{path}", tmp_path).raw_datasets["train"]["prompt"] == [record["prompt"] for record in RECORDS]
+    with pytest.raises(DatasetFormatError, match=r"not csv: name it so \(mv .*x\.parquet\), and it is read as parquet$"):
+        raw(str(path), tmp_path)
+
+
 # the command a binary table named as data is told (``binary_table_command``): a rename, or one and a Parquet write
 TABLE_FIX = re.compile(r"\(((?:mv |python -c ).*)\)")
 

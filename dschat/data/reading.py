@@ -552,12 +552,12 @@ def _head_of(path):
         return f.read(HEAD_BYTES)
 
 
-def check_bytes_read_as(kind, path, where=None, head=None):
+def check_bytes_read_as(kind, path, where=None, head=None, typed=False):
     """A data file of ``kind`` whose first bytes say it is not read so is an error saying what it is: compressed
     otherwise than as JSON named so (``PACKED_JSON``: train.jsonl.gz, read decompressed, ``open_data_file``;
     ``compressed_error``), read as text it was 'not UTF-8 text ... save the file as UTF-8'; or a binary table file of
     another kind (``binary_table_error``: a Parquet file named train.csv). ``where``: how the error names ``path``;
-    ``head``: its first bytes where read already (``HashedFile.head``)."""
+    ``head``: its first bytes where read already (``HashedFile.head``); ``typed``: the file was given as TYPE:PATH."""
     if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
         return
     head = _head_of(path) if head is None else head
@@ -566,7 +566,7 @@ def check_bytes_read_as(kind, path, where=None, head=None):
         raise compressed_error(path, tool, where, kind)
     table = binary_table_of(path, head)
     if table is not None and table.kind != kind:
-        raise binary_table_error(path, kind, table, where)
+        raise binary_table_error(path, kind, table, where, typed)
 
 
 def binary_table_of(path, head=None):
@@ -589,15 +589,15 @@ def is_binary_table(path, table):
         return f.read() == end
 
 
-def binary_table_error(path, kind, table, where=None):
+def binary_table_error(path, kind, table, where=None, typed=False):
     """The error for the file at ``path``, read as ``kind`` (None: its name tells no type, x.arrow), that is the binary
     ``table`` (a BinaryTable): one dschat reads is told the name to give it (train.csv: ``mv train.csv
-    train.parquet``, in ``compressed_error``'s words), or, named so already (given as TYPE:PATH), the type to give;
-    another is told the command that names it so and writes it as Parquet (``binary_table_command``), after its
-    ``advice`` (an Arrow IPC stream: the save_to_disk folder it is from, read as disk:FOLDER). ``where``: how the
-    error names ``path``."""
+    train.parquet``, in ``compressed_error``'s words), or, named so already or given as TYPE:PATH (``typed``: renamed,
+    the path given was a file not found), the type to give; another is told the command that names it so and writes
+    it as Parquet (``binary_table_command``), after its ``advice`` (an Arrow IPC stream: the save_to_disk folder it is
+    from, read as disk:FOLDER). ``where``: how the error names ``path``."""
     said = f"{where or path}: the file is {table.what}" + (f", not {kind}" if kind else "")
-    if table.kind is not None and binary_table_path(path, table) == path:
+    if table.kind is not None and (typed or binary_table_path(path, table) == path):
         return DatasetFormatError(f"{said}: give it as {table.kind}:{path}")
     return DatasetFormatError(f"{said}{binary_table_fix(path, table)}")
 

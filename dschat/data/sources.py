@@ -241,10 +241,12 @@ def _check_not_a_binary_table(path, where):
 
 def _typed_source(kind, paths_text, spec, flag):
     source = _source_of_paths(kind, paths_text, spec, flag)
+    # (one file given as TYPE:PATH: its type, not its name, is the one to change where its bytes say another)
+    typed = paths_text.strip() if paths_text != spec and os.path.isfile(paths_text.strip()) else None
     for file_kind, paths in ((source.kind, source.train_files), (source.eval_type, source.eval_files)):
         for path in paths:  # (said here, with the flag, before any step runs: loading said the file alone)
             if os.path.isfile(path):
-                check_bytes_read_as(file_kind, path, data_spec_where(spec, path, flag))
+                check_bytes_read_as(file_kind, path, data_spec_where(spec, path, flag), typed=path == typed)
     return source
 
 
