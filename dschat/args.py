@@ -506,7 +506,7 @@ class HintingParser(SaidOnceParser):
         if flag is None:
             return None
         typed = f"{token.split('=', 1)[0]}: begins with a typographic dash, not '--'"
-        meant = [flag] if flag in self._option_string_actions else self.flags_meant(flag)
+        meant = [flag] if flag in self.long_flags() else self.flags_meant(flag)
         if meant:
             return f"{typed}; did you mean {' or '.join(meant)}?"
         said = self.flag_hint(flag)
@@ -529,8 +529,9 @@ class HintingParser(SaidOnceParser):
         return list(first.values())
 
     def long_flags(self):
-        """The long flags a hint may name: not those --help hides (a tool's refused flags: ppo_eval's
-        --sft_only_data_path)."""
+        """The long flags a hint may name, the one rule of every hint: not those --help hides (a tool's refused flags:
+        ppo_eval's --sft_only_data_path, not named for --sft_only_data_pth nor for a pasted dash's
+        –sft_only_data_path)."""
         return [option for action in self._actions if action.help is not argparse.SUPPRESS
                 for option in action.option_strings if option.startswith("--")]
 

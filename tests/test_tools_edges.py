@@ -1115,6 +1115,20 @@ def test_a_hint_never_names_a_flag_the_tool_hides(capsys):
     assert "unrecognized arguments: --sft_only_data_pth x" in err and "sft_only_data_path" not in err, err
 
 
+def test_a_pasted_dash_hint_never_names_a_flag_the_tool_hides(capsys):
+    """ppo_eval's ``\u2013sft_only_data_path`` (a pasted en dash) was told "did you mean --sft_only_data_path?", the
+    flag ppo_eval hides and refuses: the pasted dash's hint took any flag of the parser, the other hints only those
+    --help shows (``long_flags``). One rule now; a shown flag is still named."""
+    from dschat.tools import ppo_eval
+
+    for given, meant in (("\u2013sft_only_data_path", None), ("\u2013num_prompts", "--num_prompts")):
+        with pytest.raises(SystemExit):
+            ppo_eval.main(["--policy", "tiny-llama", given, "1"])
+        err = capsys.readouterr().err
+        assert f"unrecognized arguments: {given} 1" in err and "--sft_only_data_path" not in err, err
+        assert meant is None or f"{given}: begins with a typographic dash, not '--'; did you mean {meant}?" in err, err
+
+
 def test_a_value_that_begins_with_dashes_is_still_the_missing_value_of_its_flag(capsys):
     """``--prompt --hi``: argparse's "expected one argument" (the way out: --prompt=--hi), not "--hi" as an unknown
     flag."""
