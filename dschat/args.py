@@ -495,17 +495,18 @@ class HintingParser(SaidOnceParser):
 
     def token_hint(self, token):
         """What the unrecognized token ``token`` may be, in words, or None."""
-        return self.flag_hint(token.split("=", 1)[0]) if token.startswith("--") else self.typed_dash_hint(token)
+        return self.flag_hint(token.split("=", 1)[0]) if token.startswith("--") else self.misdashed_hint(token)
 
-    def typed_dash_hint(self, token):
-        """A flag typed with a typographic dash (``–learning_rate``: "--" as a web page or word processor shows it),
-        which argparse takes for a value: the flag it spells or may have meant, else what ``flag_hint`` says of that
-        flag (another step's, train.py's step flags: ``–entropy_coef`` to train.py said nothing more), in words, or
-        None."""
-        flag = typed_dashes_as_flag(token)
-        if flag is None:
+    def misdashed_hint(self, token):
+        """A flag typed with a typographic dash (``–learning_rate``: "--" as a web page or word processor shows it,
+        which argparse takes for a value) or with one "-" (``-learning_rate``) (``misdashed_flag``): the flag it spells
+        or may have meant, else what ``flag_hint`` says of that flag (another step's, train.py's step flags:
+        ``–entropy_coef`` to train.py said nothing more), in words, or None."""
+        found = misdashed_flag(token)
+        if found is None:
             return None
-        typed = f"{token.split('=', 1)[0]}: begins with a typographic dash, not '--'"
+        flag, how = found
+        typed = f"{token.split('=', 1)[0]}: {how}"
         meant = [flag] if flag in self.long_flags() else self.flags_meant(flag)
         if meant:
             return f"{typed}; did you mean {' or '.join(meant)}?"
@@ -548,6 +549,21 @@ def typed_dashes_as_flag(token):
     if not token or token[0] not in TYPOGRAPHIC_DASHES or not name or " " in name:
         return None
     return f"--{name}"
+
+
+# A long flag's name typed after one "-" (``-learning_rate``, ``-output-dir``): two characters or more, as "-h" is a
+# short flag's spelling; a letter first, as "-1e-3" is a number.
+SINGLE_DASH_NAME = re.compile(r"-[A-Za-z][\w-]+")
+
+
+def misdashed_flag(token):
+    """``token``'s flag (before any "=") as typed with "--", and how it was typed instead, in words, where it begins
+    with a typographic dash (``typed_dashes_as_flag``) or with one "-" and a long flag's name (``SINGLE_DASH_NAME``);
+    else None."""
+    if (flag := typed_dashes_as_flag(token)) is not None:
+        return flag, "begins with a typographic dash, not '--'"
+    typed = token.split("=", 1)[0]
+    return (f"-{typed}", "begins with one '-', not '--'") if SINGLE_DASH_NAME.fullmatch(typed) else None
 
 
 def close_names(given, flags):

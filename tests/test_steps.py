@@ -636,6 +636,28 @@ def test_train_py_the_steps_and_the_tools_say_unknown_flags_hints_in_one_layout(
                                                 + "".join(f"  {line}\n" for line in said))
 
 
+def test_a_flag_typed_with_one_dash_names_the_flag_meant(capsys):
+    """``-learning_rate 1e-4`` (one "-", as a short flag is typed) was said to be unrecognized and no more: it is told
+    as a pasted dash is (``misdashed_flag``), the flag it spells with "--" or may have meant, else what that flag is
+    (train.py: a step's, and how to pass it), in the one layout. A negative number or a short flag's "-h" is no such
+    token."""
+    from dschat.args import misdashed_flag, step1_parser
+
+    one = "begins with one '-', not '--'"
+    for parse, unknown, said in (
+            (step1_parser().parse_args, ["-learning_rate", "1e-4", "-lora_dm=2"],
+             [f"-learning_rate: {one}; did you mean --learning_rate?", f"-lora_dm: {one}; did you mean --lora_dim?"]),
+            (lambda argv: _train_py_args(*argv), ["-output_dir", "x", "-entropy_coef", "0.1"],
+             [f"-output_dir: {one}; did you mean --output-dir?",
+              f"-entropy_coef: {one}; --entropy_coef: a flag of step 3; give it to train.py inside --step3-args (one "
+              "quoted string each), or run the step's training/.../main.py"])):
+        with pytest.raises(SystemExit):
+            parse(unknown)
+        assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {' '.join(unknown)}\n"
+                                                + "".join(f"  {line}\n" for line in said))
+    assert [misdashed_flag(token) for token in ("-1e-3", "-h", "-", "-x=1")] == [None] * 4
+
+
 def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
     """train.py said nothing more for a misspelt step flag (``--entropy_coeff``) than that it is unrecognized, where
     the step's own parser names the flag meant (``close_names``): now the step flags it may mean and where they go, in
