@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import re
+import shlex
 import sys
 
 from dschat.errors import UsageError
@@ -621,6 +622,55 @@ class TrainPyParser(HintingParser):
         from dschat.pipeline import close_step_flags_hint, step_flag_hint
 
         return step_flag_hint(given) or super().flag_hint(given) or close_step_flags_hint(given)
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else args
+        self.refuse_unquoted_step_args(argv)
+        return super().parse_args(argv, namespace)
+
+    def refuse_unquoted_step_args(self, argv):
+        """A step's flags given to its --stepN-args unquoted (``--step3-args --entropy_coef 0.01``: the shell splits
+        them, --step3-args takes the first and the others are left over) are an error that says to give them as one
+        quoted string, and which: argparse said only "unrecognized arguments: 0.01". (With -h/--help, the help.)"""
+        groups = flag_groups(self, argv)
+        if any(dest == "help" for dest, _ in groups):
+            return
+        for index, (dest, tokens) in enumerate(groups):
+            step = STEP_ARGS_DEST.fullmatch(dest or "")
+            if step is None:
+                continue
+            option, value, left = step_args_value(tokens)
+            spilled = left + step_flags_after(int(step[1]), groups[index + 1:])
+            # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
+            if spilled and (value is None or value.startswith("-") or len(spilled) > len(left)):
+                whole = " ".join(part for part in (value, *spilled) if part is not None)
+                self.error(f"unrecognized arguments: {' '.join(spilled)}\n  {option} takes step {step[1]}'s flags as "
+                           f"one string: give them quoted, {option} {shlex.quote(whole)}")
+
+
+# train.py's --stepN-args options, by dest: step N's flags as one string.
+STEP_ARGS_DEST = re.compile(r"step(\d)_args")
+
+
+def step_args_value(tokens):
+    """A --stepN-args option's tokens (``flag_groups``) as the option, its value (None where the next token was a
+    flag) and the tokens left after that value."""
+    option, sep, value = str(tokens[0]).partition("=")
+    if sep:
+        return option, value, list(map(str, tokens[1:]))
+    return option, (str(tokens[1]) if len(tokens) > 1 else None), list(map(str, tokens[2:]))
+
+
+def step_flags_after(step, groups):
+    """The tokens of the unknown flags (``flag_groups``' groups) that follow a --stepN-args and that step ``step``
+    takes, up to the first that is not: step N's flags given after its string, outside it."""
+    taken = []
+    for dest, tokens in groups:
+        flag = str(tokens[0]).split("=", 1)[0]
+        if dest is not None or not any(taking == step for _, taking, _, _ in scripts_taking(flag)):
+            break
+        taken += map(str, tokens)
+    return taken
 
 
 def step_scripts():

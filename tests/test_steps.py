@@ -658,6 +658,29 @@ def test_a_flag_typed_with_one_dash_names_the_flag_meant(capsys):
     assert [misdashed_flag(token) for token in ("-1e-3", "-h", "-", "-x=1")] == [None] * 4
 
 
+def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
+    """``--step3-args --entropy_coef 0.01`` unquoted (the shell splits it: --step3-args takes --entropy_coef, and
+    0.01 is left over) said only "unrecognized arguments: 0.01", as did step 3's flags after its string
+    (``--step3-args --print_answers --entropy_coef 0.01``): the error says to give them as one quoted string, and
+    which. A flag another step takes, after the string, is still told where it goes."""
+    quote = "--step{0}-args takes step {0}'s flags as one string: give them quoted, --step{0}-args {1}"
+    for argv, unknown, said in (
+            (["--step3-args", "--entropy_coef", "-1e-3"], "-1e-3", quote.format(3, "'--entropy_coef -1e-3'")),
+            (["--step3-args", "--entropy_coef", "0.01", "--step", "3"], "0.01",
+             quote.format(3, "'--entropy_coef 0.01'")),
+            (["--step3-args", "--print_answers", "--entropy_coef", "0.01", "--kl_ctl=0.2", "--step", "3"],
+             "--entropy_coef 0.01 --kl_ctl=0.2",
+             quote.format(3, "'--print_answers --entropy_coef 0.01 --kl_ctl=0.2'")),
+            (["--step1-args=--lora_dim 2", "--print_loss"], "--print_loss",
+             quote.format(1, "'--lora_dim 2 --print_loss'")),
+            (["--step1-args", "--lora_dim 2", "--entropy_coef", "0.01"], "--entropy_coef 0.01",
+             "--entropy_coef: a flag of step 3; give it to train.py inside --step3-args (one quoted string each), or "
+             "run the step's training/.../main.py")):
+        with pytest.raises(SystemExit):
+            _train_py_args(*argv)
+        assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {unknown}\n  {said}\n"), argv
+
+
 def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
     """train.py said nothing more for a misspelt step flag (``--entropy_coeff``) than that it is unrecognized, where
     the step's own parser names the flag meant (``close_names``): now the step flags it may mean and where they go, in
