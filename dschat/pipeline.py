@@ -366,9 +366,11 @@ def says_train_py_flags(step, args, argv=None):
 
 def step_flag_hint(flag):
     """For a flag train.py does not take: train.py's option for it, or the steps that take it and how to pass it to
-    them, in words; else None."""
-    from dschat.args import scripts_taking
+    them, in words; else None. (The launcher's --local_rank is no flag to pass to a step: train.py takes it itself.)"""
+    from dschat.args import LOCAL_RANK_FLAGS, scripts_taking
 
+    if flag in LOCAL_RANK_FLAGS:
+        return None
     if flag in TRAIN_PY_NAMES:
         return f"{flag}: train.py's {TRAIN_PY_NAMES[flag]}"
     steps_spelling = "--" + flag[2:].replace("-", "_")  # (train.py's --lora-dim: the steps spell it --lora_dim)

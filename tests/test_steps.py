@@ -699,9 +699,11 @@ def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
             _train_py_args(given)
         flag = given.split("=")[0]
         assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {given}\n  {flag}: {said}\n")
-    with pytest.raises(SystemExit):
-        _train_py_args("--local_rnk", "1")
-    assert capsys.readouterr().err.endswith("error: unrecognized arguments: --local_rnk 1\n")
+    # (nor a pasted dash's or one dash's --local_rank, which told to give it inside each --stepN-args)
+    for given in ("--local_rnk", "\u2013local_rank", "-local_rank"):
+        with pytest.raises(SystemExit):
+            _train_py_args(given, "1")
+        assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {given} 1\n"), given
 
 
 def test_train_py_says_how_to_pass_a_flag_only_dpo_takes(capsys):
