@@ -5246,6 +5246,27 @@ def test_hf_generate_refuses_a_batch_of_no_row_by_name(family, synced_gpus, monk
                                       pad_token_id=0, synced_gpus=synced_gpus)
 
 
+@pytest.mark.parametrize("synced_gpus", [None, True])
+def test_hf_generate_refuses_no_input_ids_by_name_for_a_model_generated_row_by_row(synced_gpus, monkeypatch):
+    """``hf_generate(model, tok)(None, ...)``, HF's generation from BOS, failed for the families generated row by row
+    (RWKV here) with "'NoneType' object has no attribute 'shape'"; it is refused by name, with the prompt to give.
+    A model generated as one batch (Llama) passes None on to HF."""
+    from dschat.errors import UsageError
+    from dschat.rlhf.trainer import hf_generate
+
+    tokenizer = type("Tokenizer", (), {"__len__": lambda self: 96, "eos_token_id": None, "pad_token_id": 0})()
+    monkeypatch.setattr("dschat.utils.dist.all_reduce", lambda t, op: t.fill_(1))
+    with torch.no_grad(), pytest.raises(UsageError, match=r"^hf_generate: no input_ids, for RwkvForCausalLM, which "
+                                                          r"generates row by row.*torch.tensor\(\[\[tokenizer"):
+        hf_generate(_tiny_generator("rwkv"), tokenizer)(None, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                                                        synced_gpus=synced_gpus)
+    model = _tiny_generator("llama")
+    given = []
+    model.generate = lambda input_ids, **kw: given.append(input_ids)
+    hf_generate(model, tokenizer)(None, max_new_tokens=2, synced_gpus=synced_gpus)
+    assert given == [None]
+
+
 def test_under_synced_gpus_a_rank_whose_peer_has_no_row_is_refused_with_it_in_their_agreement(monkeypatch):
     """A rank given a batch of no row raised alone (``check_rows_to_generate``) before the ranks' agreement on their
     generate calls, so its peers waited in the agreement's all-reduce for ever. It now says so in that same

@@ -291,8 +291,8 @@ def synced_as_the_model_needs(model, generate, input_ids, synced_gpus=None, rank
     refused here (``check_rows_to_generate``), except where synced ranks agree on their calls before any
     (``ranks_agree_on_calls``: ``generate_row_by_row``): there every rank is refused together, in that agreement."""
     synced = syncs_ranks(model, synced_gpus)
-    if not (synced and ranks_agree_on_calls):
-        check_rows_to_generate(input_ids)
+    if input_ids is None or not (synced and ranks_agree_on_calls):
+        check_rows_to_generate(input_ids, model if ranks_agree_on_calls else None)
     return generate(input_ids, **synced_gpus_said(model, synced), **kwargs)
 
 
@@ -348,12 +348,18 @@ def parameters_of(fn):
         return inspect.signature(fn).parameters
 
 
-def check_rows_to_generate(input_ids):
+def check_rows_to_generate(input_ids, row_by_row_model=None):
     """A ``UsageError`` for a batch of no row: HF generate cannot run on one (the model's forward fails deep inside,
     e.g. Llama's attention reshape), nor could such a rank keep in step with its peers under ``synced_gpus`` (its
     spare calls take its first row). dschat's callers never make one: step 3 refuses it (``check_prompt_shapes``),
     and the held-out loaders on several ranks give every rank as many batches, each of at least one row
-    (``distributed_eval_loader``: the ranks' shares padded with repeats)."""
+    (``distributed_eval_loader``: the ranks' shares padded with repeats). No ``input_ids`` (None) HF generates from
+    BOS, except for ``row_by_row_model``, generated row by row (``generate_row_by_row``: RWKV, xLSTM, RecurrentGemma,
+    DeepSeek-V4), which reads the prompts' rows: refused by name (it failed with an AttributeError on None's shape)."""
+    if input_ids is None and row_by_row_model is not None:
+        raise UsageError(f"hf_generate: no input_ids, for {type(row_by_row_model).__name__}, which generates row by "
+                         "row from its prompts (its outputs move with left padding): give input_ids, e.g. "
+                         "torch.tensor([[tokenizer.bos_token_id]]) to generate from BOS as HF does without them")
     if input_ids is not None and input_ids.shape[0] == 0:  # (None: HF generates from BOS)
         raise no_prompt_error(input_ids.shape)
 
