@@ -192,6 +192,25 @@ def test_a_deepseek_v4_engine_gathering_submodule_by_submodule_on_several_ranks_
     prepare_zero3_hooks(tiny_deepseek_v4_actor(), zero3, "module")
 
 
+def test_a_deepseek_v4_engine_whose_layers_could_not_be_made_units_is_refused_by_what_happened(monkeypatch):
+    """Under --zero3_fetch layer a model whose decoder layers cannot be made fetch units (here: layerdrop) gathers
+    submodule by submodule all the same; its refusal said "(--zero3_fetch module)" and "Use --zero3_fetch layer",
+    which the user had given. It says the layers were not made units, and a way out that exists."""
+    from dschat.models.training_engine import prepare_zero3_hooks
+    from dschat.utils import dist
+    from tests.helpers import tiny_deepseek_v4_actor
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    model = tiny_deepseek_v4_actor()
+    model.config.layerdrop = 0.1  # (a layer skipped at random never fires DeepSpeed's hooks: no units)
+    with pytest.raises(UsageError) as refused:
+        prepare_zero3_hooks(model, {"zero_optimization": {"stage": 3}}, "layer")
+    said = str(refused.value)
+    assert "submodule by submodule (its decoder layers could not be made --zero3_fetch layer units: mixed or " \
+           "miscounted blocks, or layerdrop)" in said and said.endswith("Run it at ZeRO stage 2 or below, or on one rank")
+    assert "--zero3_fetch module" not in said and "Use --zero3_fetch layer" not in said
+
+
 def test_zero3_fetch_flag_defaults_to_layer_in_every_step():
     assert step1_parser().parse_args([]).zero3_fetch == "layer"
     assert step1_parser().parse_args(["--zero3_fetch", "module"]).zero3_fetch == "module"

@@ -104,19 +104,31 @@ def gathers_whole_layers(model):
     return bool(layers) and all(z3_leaf_module(layer) for layer in layers)
 
 
+# How each forward gathers submodule by submodule, as said in a refusal: the flag that asked for it, or the layers
+# --zero3_fetch layer could not make units (``mark_zero3_leaf_layers`` found no clear decoder stack); and the way out
+GATHERED_BY = {
+    "module": ("(--zero3_fetch module)", "Use --zero3_fetch layer (the default: each decoder layer gathered whole, "
+                                         "whatever it calls inside)"),
+    "layer": ("(its decoder layers could not be made --zero3_fetch layer units: mixed or miscounted blocks, or "
+              "layerdrop)", "Run it at ZeRO stage 2 or below, or on one rank"),
+}
+
+
 def refuse_ranks_gathering_otherwise(family, world_size, generating, other_way="",
-                                     ranks_differ="generating from prompts of other lengths", whose="the actor's"):
+                                     ranks_differ="generating from prompts of other lengths", whose="the actor's",
+                                     zero3_fetch="module"):
     """Refuse, naming the way out, ``generating`` (how the actor generates, every forward a ZeRO-3 gather submodule by
     submodule) on ``world_size`` ranks where ``family``'s layers call other submodules by length
     (``CALLS_VARY_BY_LENGTH``): ranks ``ranks_differ`` would gather other weights. ``other_way``: another way out than
-    whole-layer units, said after it; ``whose``: the model's name in the message."""
+    the one ``GATHERED_BY`` names, said after it; ``whose``: the model's name in the message; ``zero3_fetch``: the
+    --zero3_fetch given (``layer``: its layers were not made units)."""
     if world_size < 2 or family not in CALLS_VARY_BY_LENGTH:
         return
+    gathered_by, way_out = GATHERED_BY[zero3_fetch]
     raise UsageError(f"{generating} under ZeRO-3 on {world_size} ranks, each forward gathering {whose} "
-                     f"({family}) weights submodule by submodule (--zero3_fetch module), and "
-                     f"{CALLS_VARY_BY_LENGTH[family]}: ranks {ranks_differ} would gather other weights (a hang). Use "
-                     "--zero3_fetch layer (the default: each decoder layer gathered whole, whatever it calls inside)"
-                     f"{other_way}")
+                     f"({family}) weights submodule by submodule {gathered_by}, and "
+                     f"{CALLS_VARY_BY_LENGTH[family]}: ranks {ranks_differ} would gather other weights (a hang). "
+                     f"{way_out}{other_way}")
 
 
 def check_ranks_gather_alike(model, world_size):
@@ -129,12 +141,13 @@ def check_ranks_gather_alike(model, world_size):
             ", or keep the actor's parameters pinned (hybrid_engine.pin_parameters true: no --unpin_actor_parameters)")
 
 
-def check_ranks_forward_alike(model, world_size):
+def check_ranks_forward_alike(model, world_size, zero3_fetch="module"):
     """``refuse_ranks_gathering_otherwise`` for any ZeRO-3 engine of ``model`` (``EVERY_FORWARD_VARIES``: its
     training and scoring forwards too, each rank's batches of their own width) on ``world_size`` ranks, where its
-    decoder layers are not ZeRO-3's fetch units: called by ``training_engine.prepare_zero3_hooks`` in every step,
-    before ``deepspeed.initialize``."""
+    decoder layers are not ZeRO-3's fetch units (``zero3_fetch``: as given; ``layer``, its layers could not be made
+    units): called by ``training_engine.prepare_zero3_hooks`` in every step, before ``deepspeed.initialize``."""
     family = model_family(model)
     if family in EVERY_FORWARD_VARIES and world_size > 1 and not gathers_whole_layers(model):
         refuse_ranks_gathering_otherwise(family, world_size, "a model trained or scored", ranks_differ="forwarding "
-                                         "batches of other widths (each rank pads its own)", whose="its")
+                                         "batches of other widths (each rank pads its own)", whose="its",
+                                         zero3_fetch=zero3_fetch)

@@ -182,7 +182,7 @@ def prepare_zero3_hooks(model, ds_config, zero3_fetch):
         print_rank_0(f"[zero3] {type(model).__name__}: no decoder stack usable as --zero3_fetch layer units (mixed "
                      "or miscounted blocks, or layerdrop); DeepSpeed's per-module hooks")
     if ds_config["zero_optimization"]["stage"] == 3:  # (after the layers were made units, or not)
-        check_ranks_forward_alike(model, get_world_size())
+        check_ranks_forward_alike(model, get_world_size(), zero3_fetch)
 
 
 def initialize_engine(model, ds_config, lr, weight_decay, lora_learning_rate, lr_scheduler_type, num_warmup_steps,
