@@ -128,6 +128,27 @@ def test_an_actor_calling_other_submodules_by_length_under_zero3_module_fetch_is
                                      "actor_model_name_or_path": str(tmp_path / "rg")}), 2)  # (pinned)
 
 
+def test_an_unpinned_actor_is_refused_in_the_same_words_before_loading_and_by_the_hybrid_engine(tmp_path):
+    """The refusal of RecurrentGemma generating unpinned under ZeRO-3 --zero3_fetch module on 2 ranks is made from its
+    config before it loads (``check_generation_gathers_alike``) and by the hybrid engine once built
+    (``check_ranks_gather_alike``); each wrote its own advice to keep the actor pinned, in other words. One wording."""
+    from dschat.models.layers import check_ranks_gather_alike
+    from tests.helpers import tiny_recurrent_gemma_actor
+
+    model = tiny_recurrent_gemma_actor()
+    model.config.save_pretrained(tmp_path / "rg")
+    with pytest.raises(UsageError) as before_loading:
+        check_step3_settings(step3_args({"actor_zero_stage": 3, "zero3_fetch": "module", "max_prompt_seq_len": 8,
+                                         "max_answer_seq_len": 8, "enable_hybrid_engine": True,
+                                         "unpin_actor_parameters": True,
+                                         "actor_model_name_or_path": str(tmp_path / "rg")}), 2)
+    with pytest.raises(UsageError) as built:
+        check_ranks_gather_alike(model, 2)
+    assert str(before_loading.value) == str(built.value)
+    assert str(built.value).endswith("or keep the actor's parameters pinned (no --unpin_actor_parameters: "
+                                     "hybrid_engine.pin_parameters true)")
+
+
 def test_a_cpmant_actor_is_refused_before_anything_loads(tmp_path):
     """CPMAnt takes transformers' cache but cannot be decoded one token at a time over it
     (``NOT_DECODABLE_PER_TOKEN``): its config says so before the actor loads."""

@@ -131,14 +131,21 @@ def refuse_ranks_gathering_otherwise(family, world_size, generating, other_way="
                      f"{way_out}{other_way}")
 
 
+def refuse_unpinned_generation(family, world_size):
+    """``refuse_ranks_gathering_otherwise`` for the hybrid engine generating without pinned parameters (every
+    forward a gather), with pinning as the other way out: the check before loading
+    (``rlhf.engine.check_generation_gathers_alike``) and the hybrid engine's own (``check_ranks_gather_alike``)."""
+    refuse_ranks_gathering_otherwise(
+        family, world_size, "the hybrid engine generating without pinned parameters (--unpin_actor_parameters, or "
+        "hybrid_engine.pin_parameters false)", ", or keep the actor's parameters pinned (no --unpin_actor_parameters: "
+        "hybrid_engine.pin_parameters true)")
+
+
 def check_ranks_gather_alike(model, world_size):
-    """``refuse_ranks_gathering_otherwise`` for the hybrid engine generating with ``model``, a ZeRO-3 module whose
+    """``refuse_unpinned_generation`` for the hybrid engine generating with ``model``, a ZeRO-3 module whose
     parameters are not pinned (every forward a gather), where its decoder layers are not ZeRO-3's fetch units."""
     if world_size > 1 and not gathers_whole_layers(model):
-        refuse_ranks_gathering_otherwise(
-            model_family(model), world_size,
-            "the hybrid engine generating without pinned parameters (hybrid_engine.pin_parameters false)",
-            ", or keep the actor's parameters pinned (hybrid_engine.pin_parameters true: no --unpin_actor_parameters)")
+        refuse_unpinned_generation(model_family(model), world_size)
 
 
 def check_ranks_forward_alike(model, world_size, zero3_fetch="module"):

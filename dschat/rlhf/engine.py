@@ -417,16 +417,14 @@ def check_generation_gathers_alike(args, world_size, actor_ds_config, config):
     every forward a gather (HF generate, or the hybrid engine without pinned parameters), refused from its ``config``
     before any weight loads: the ranks gathered other weights (2 CPU ranks: gloo aborted). The hybrid engine checks
     its actor's own fetch units again when built (``check_ranks_gather_alike``)."""
-    from dschat.models.layers import refuse_ranks_gathering_otherwise
+    from dschat.models.layers import refuse_ranks_gathering_otherwise, refuse_unpinned_generation
 
     if config is None or args.zero3_fetch != "module" or actor_ds_config["zero_optimization"]["stage"] != 3:
         return
     if not args.enable_hybrid_engine:
         refuse_ranks_gathering_otherwise(config.model_type, world_size, "HF generate (--no-enable_hybrid_engine)")
     elif not actor_ds_config.get("hybrid_engine", {}).get("pin_parameters", True):
-        refuse_ranks_gathering_otherwise(
-            config.model_type, world_size, "the hybrid engine without pinned parameters (--unpin_actor_parameters)",
-            ", or keep the actor's parameters pinned (no --unpin_actor_parameters)")
+        refuse_unpinned_generation(config.model_type, world_size)
 
 
 def check_step3_settings(args, world_size, actor_architecture=None, critic_made_later=False):
