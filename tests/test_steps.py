@@ -3001,3 +3001,45 @@ def test_a_hint_names_a_flag_of_two_spellings_once():
     parser = step1_parser()
     assert parser.flag_hint("--local") == "--local: did you mean --local_rank?"
     assert parser.flag_hint("--deepspeed-config") == "--deepspeed-config: did you mean --deepspeed_config?"
+
+
+def test_every_step_refuses_deepseek_v4_under_zero3_module_fetch_on_several_ranks_before_any_weight_loads(
+        tmp_path, distributed, monkeypatch):
+    """DeepSeek-V4's forwards gather other weights by width under ZeRO-3 fetched submodule by submodule
+    (``layers.EVERY_FORWARD_VARIES``: 2 CPU ranks, gloo aborted): steps 1, 2 and DPO refused it only once the engine
+    was made, after the model had loaded (minutes for a big one). Now every step refuses it from the config (world
+    size 2, faked), its loaders never called; with --zero3_fetch layer the steps get as far as loading."""
+    from dschat.errors import UsageError
+    from dschat.models import loading
+    from dschat.rlhf import engine as engine_module
+    from dschat.steps import ppo
+    from helpers import PPO_FAST, tiny_deepseek_v4_actor
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*args, **kwargs):
+        raise Loaded
+
+    tiny_deepseek_v4_actor().save_pretrained(tmp_path / "v4")
+    for module, loader in ((sft, "load_causal_lm"), (dpo, "load_causal_lm"), (reward, "create_critic_model"),
+                           (engine_module, "load_causal_lm"), (engine_module, "create_critic_model")):
+        monkeypatch.setattr(module, loader, loaded)
+    monkeypatch.setattr(common, "get_world_size", lambda: 2)
+    monkeypatch.setattr(ppo, "get_world_size", lambda: 2)
+    monkeypatch.setattr(loading, "load_tokenizer", loaded)  # (the folder holds a config alone)
+    model = str(tmp_path / "v4")
+    supervised = ["--model_name_or_path", model, "--zero_stage", "3", "--output_dir", str(tmp_path / "out"), *SFT_FAST]
+    refused = r"on 2 ranks, each forward gathering (--model_name_or_path|the actor)'s \(deepseek_v4\) weights " \
+              r"submodule by submodule \(--zero3_fetch module\).*Use --zero3_fetch layer"
+    for main in (sft.main, reward.main, dpo.main):
+        with pytest.raises(UsageError, match=refused):
+            main([*supervised, "--zero3_fetch", "module"])
+        with pytest.raises(Loaded):  # (layer: checked once its layers are made units, or not)
+            main([*supervised, "--zero3_fetch", "layer"])
+    step3 = ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model, "--zero3_fetch", "module",
+             "--output_dir", str(tmp_path / "ppo"), *PPO_FAST]
+    with pytest.raises(UsageError, match=refused):  # (the hybrid engine pinned: its training forwards)
+        ppo.main([*step3, "--actor_zero_stage", "3"])
+    with pytest.raises(UsageError, match=r"on 2 ranks, each forward gathering the critic's \(deepseek_v4\)"):
+        ppo.main([*step3, "--critic_zero_stage", "3"])

@@ -148,13 +148,34 @@ def check_ranks_gather_alike(model, world_size):
         refuse_unpinned_generation(model_family(model), world_size)
 
 
-def check_ranks_forward_alike(model, world_size, zero3_fetch="module"):
-    """``refuse_ranks_gathering_otherwise`` for any ZeRO-3 engine of ``model`` (``EVERY_FORWARD_VARIES``: its
-    training and scoring forwards too, each rank's batches of their own width) on ``world_size`` ranks, where its
-    decoder layers are not ZeRO-3's fetch units (``zero3_fetch``: as given; ``layer``, its layers could not be made
-    units): called by ``training_engine.prepare_zero3_hooks`` in every step, before ``deepspeed.initialize``."""
-    family = model_family(model)
-    if family in EVERY_FORWARD_VARIES and world_size > 1 and not gathers_whole_layers(model):
+def refuse_forwards_gathering_otherwise(family, world_size, whose="its", zero3_fetch="module"):
+    """The one rule of ``EVERY_FORWARD_VARIES``: ``refuse_ranks_gathering_otherwise`` for any ZeRO-3 engine of a
+    ``family`` model (trained or frozen, in any step) on ``world_size`` ranks gathering submodule by submodule, its
+    training and scoring forwards too (each rank pads its batches to their own width). Called from a config before
+    any weight loads (``check_config_forwards_alike``) and from the model itself (``check_ranks_forward_alike``)."""
+    if family in EVERY_FORWARD_VARIES:
         refuse_ranks_gathering_otherwise(family, world_size, "a model trained or scored", ranks_differ="forwarding "
-                                         "batches of other widths (each rank pads its own)", whose="its",
+                                         "batches of other widths (each rank pads its own)", whose=whose,
                                          zero3_fetch=zero3_fetch)
+
+
+def check_config_forwards_alike(read_config, zero_stage, zero3_fetch, world_size, whose):
+    """``refuse_forwards_gathering_otherwise`` from a model's HF config before its weights load: an engine at
+    ``zero_stage`` under ``--zero3_fetch module`` on ``world_size`` ranks. ``read_config()`` gives the config (None:
+    not readable yet, checked when it loads), called only there (a read from disk the other runs need not make).
+    (Under ``layer`` whether its layers can be made units is known once it is built: ``prepare_zero3_hooks``.)
+    ``whose``: the model as the flags name it, e.g. "--model_name_or_path's"."""
+    if zero_stage != 3 or zero3_fetch != "module" or world_size < 2:
+        return
+    config = read_config()
+    if config is not None:
+        refuse_forwards_gathering_otherwise(getattr(config, "model_type", None), world_size, whose)
+
+
+def check_ranks_forward_alike(model, world_size, zero3_fetch="module"):
+    """``refuse_forwards_gathering_otherwise`` for a ZeRO-3 engine of ``model`` whose decoder layers are not ZeRO-3's
+    fetch units (``zero3_fetch``: as given; ``layer``, its layers could not be made units): called by
+    ``training_engine.prepare_zero3_hooks`` in every step, before ``deepspeed.initialize``, the backstop of the
+    checks from the config."""
+    if world_size > 1 and not gathers_whole_layers(model):
+        refuse_forwards_gathering_otherwise(model_family(model), world_size, zero3_fetch=zero3_fetch)

@@ -196,7 +196,7 @@ def check_hybrid_engine_flags(args):
                          f"--enable_hybrid_engine, or leave {'it' if len(given) == 1 else 'them'} out")
 
 
-def _model_config(path, local_only):
+def model_config_or_none(path, local_only):
     """The HF config of ``path`` (a folder, hub name or tiny preset), or None where it cannot be read (yet: train.py
     checks step 3 before step 1 writes the actor; loading the model says what is wrong). ``local_only``: a hub
     model's config only from the cache (a missing folder would look like a hub name and cost the hub's retries)."""
@@ -229,7 +229,7 @@ def _fetched_hub_config(path, checked, flag, before_training):
         raise MissingInputError(f"{flag} {unfetchable_hub_name(path)}")
     try:
         hf_hub_download(path, "config.json")  # (the weights come when step 1 or step 3 loads the model)
-        return _model_config(path, local_only=True)
+        return model_config_or_none(path, local_only=True)
     except (OSError, ValueError, EntryNotFoundError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if before_training:
@@ -246,7 +246,7 @@ def actor_config_for_checks(args, actor_path, flag="--actor_model_name_or_path",
     yet. A hub actor's from the hub cache alone: one not in it has its config fetched where the hybrid engine's checks
     need it (``_fetched_hub_config``: the hub asked once, not through the hub client's retries; ``flag`` gave the actor,
     ``before_training``: the settings' check, not step 3's load of the actor)."""
-    config = _model_config(actor_path, local_only=True)
+    config = model_config_or_none(actor_path, local_only=True)
     if config is None and args.enable_hybrid_engine:
         config = _fetched_hub_config(actor_path, "for a local attention window (GPT-Neo's), which the hybrid engine's "
                                                  "cache cannot go past, nor for the hybrid engine's other needs (a "
@@ -297,7 +297,8 @@ def check_lora_module_names(args, actor_config, critic_path):
         models.append(("actor", args.actor_lora_module_name, actor_config, AutoModelForCausalLM))
     if args.advantage_estimator == "gae" and critic_path is not None and args.critic_lora_dim and \
             args.critic_lora_module_name:  # the critic's backbone: a base model
-        models.append(("critic", args.critic_lora_module_name, _model_config(critic_path, local_only=True), AutoModel))
+        models.append(("critic", args.critic_lora_module_name, model_config_or_none(critic_path, local_only=True),
+                       AutoModel))
     for role, module_name, config, auto_class in models:
         if config is None:
             continue
@@ -427,6 +428,26 @@ def check_generation_gathers_alike(args, world_size, actor_ds_config, config):
         refuse_unpinned_generation(config.model_type, world_size)
 
 
+def check_step3_forwards_alike(args, world_size, actor_ds_config, actor_config, critic_path):
+    """Every step-3 engine of a family whose every forward gathers other weights by width on several ranks
+    (``layers.check_config_forwards_alike``: DeepSeek-V4 under ZeRO-3 with --zero3_fetch module) refused from its
+    config before any weight loads: the actor (and the reference and EMA copies sharded like it), the critic and the
+    reward model (sharded like the critic). ``critic_path``: None where train.py's step 2 writes it later."""
+    import functools
+
+    from dschat.models.layers import check_config_forwards_alike
+
+    check_config_forwards_alike(lambda: actor_config, actor_ds_config["zero_optimization"]["stage"],
+                                args.zero3_fetch, world_size, "the actor's")
+    reward_path = args.reward_model_name_or_path or critic_path
+    for role, path, needed in (("the critic's", critic_path, args.advantage_estimator == "gae"),
+                               ("the reward model's", reward_path, bool(args.reward_model_weight))):
+        if needed and path is not None:
+            # (the reward model's stage on several ranks is the critic's: frozen_twin, frozen_copy_stage)
+            check_config_forwards_alike(functools.partial(model_config_or_none, path, local_only=True),
+                                        args.critic_zero_stage, args.zero3_fetch, world_size, role)
+
+
 def check_step3_settings(args, world_size, actor_architecture=None, critic_made_later=False):
     """Every check of step 3's flags before any data or model loads: ``check_settings``, the data split and paths,
     gradient accumulation, the actor's config against the lengths and the hybrid engine (tensor parallelism, local
@@ -454,6 +475,8 @@ def check_step3_settings(args, world_size, actor_architecture=None, critic_made_
     check_local_window(args, actor_path, actor_config)
     check_actor_decodable(args, actor_config)
     check_generation_gathers_alike(args, world_size, actor, actor_config)
+    check_step3_forwards_alike(args, world_size, actor, actor_config,
+                               None if critic_made_later else args.critic_model_name_or_path)
     check_lora_module_names(args, actor_config, None if critic_made_later else args.critic_model_name_or_path)
     check_accumulation(args)
     if args.advantage_estimator == "gae":

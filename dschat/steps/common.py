@@ -1412,7 +1412,23 @@ def check_supervised_settings(args, phase, name=None, quiet=True):
     # notebook's one dataset as a string, which unpacked was its characters)
     as_data_fields(args.data_fields).check_names([*as_list(args.data_path), *as_list(sft_only)],
                                                  "--data_path or --sft_only_data_path")
-    return supervised_ds_config(args, name or f"step{phase}", quiet=quiet)
+    ds_config = supervised_ds_config(args, name or f"step{phase}", quiet=quiet)
+    check_supervised_forwards_alike(args, ds_config)
+    return ds_config
+
+
+def check_supervised_forwards_alike(args, ds_config):
+    """The model of steps 1, 2 and DPO (and DPO's reference, sharded like it on several ranks) refused from its config
+    before its weights load where its every forward would gather other weights on the ranks
+    (``layers.check_config_forwards_alike``: DeepSeek-V4 under ZeRO-3 with --zero3_fetch module); the engine's own
+    check stopped it only after the model had loaded. A model not written yet (train.py's step 2 reads step 1's) is
+    checked when it loads."""
+    from dschat.models.layers import check_config_forwards_alike
+    from dschat.rlhf.engine import model_config_or_none
+
+    check_config_forwards_alike(functools.partial(model_config_or_none, args.model_name_or_path, local_only=True),
+                                ds_config["zero_optimization"]["stage"], args.zero3_fetch, get_world_size(),
+                                "--model_name_or_path's")
 
 
 def supervised_ds_config(args, name, quiet=False):
