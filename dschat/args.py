@@ -520,15 +520,7 @@ class HintingParser(SaidOnceParser):
         return f"{given}: did you mean {' or '.join(meant)}?" if meant else None
 
     def flags_meant(self, given):
-        return self.one_spelling_each(close_names(given, self.long_flags()))
-
-    def one_spelling_each(self, flags):
-        """``flags`` less the other spellings of one already among them: "--local_rank or --local-rank" named one
-        flag twice."""
-        first = {}
-        for flag in flags:
-            first.setdefault(self._option_string_actions[flag], flag)
-        return list(first.values())
+        return one_spelling_each(close_names(given, self.long_flags()), self._option_string_actions.__getitem__)
 
     def long_flags(self):
         """The long flags a hint may name, the one rule of every hint: not those --help hides (a tool's refused flags:
@@ -565,6 +557,15 @@ def misdashed_flag(token):
         return flag, "begins with a typographic dash, not '--'"
     typed = token.split("=", 1)[0]
     return (f"-{typed}", "begins with one '-', not '--'") if SINGLE_DASH_NAME.fullmatch(typed) else None
+
+
+def one_spelling_each(flags, action_of):
+    """``flags`` less the other spellings of one already among them (``action_of``: a flag's action, the same for
+    each of its spellings): "--local_rank or --local-rank" named one flag twice."""
+    first = {}
+    for flag in flags:
+        first.setdefault(action_of(flag), flag)
+    return list(first.values())
 
 
 def close_names(given, flags):
@@ -690,10 +691,16 @@ def scripts_taking(flag):
             if flag in parser()._option_string_actions]
 
 
-def step_flags():
-    """The long flags of all the step scripts that a hint may name (``long_flags``), each once, in the steps' order
-    (train.py's ``pipeline.close_step_flags_hint``)."""
-    return list(dict.fromkeys(flag for _, _, parser, _, _ in step_scripts() for flag in parser().long_flags()))
+def step_flag_spellings():
+    """{long flag of the step scripts that a hint may name (``long_flags``): all the spellings of its option, as the
+    first step script taking it has them}, in the steps' order (train.py's ``pipeline.close_step_flags_hint``, naming
+    each option once by ``one_spelling_each``: step 3's --generation_batches and --generation_batch_numbers are one)."""
+    spellings = {}
+    for _, _, parser, _, _ in step_scripts():
+        built = parser()
+        for flag in built.long_flags():
+            spellings.setdefault(flag, tuple(built._option_string_actions[flag].option_strings))
+    return spellings
 
 
 def steps_taking(flag, under_train_py=False):

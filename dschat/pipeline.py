@@ -389,10 +389,13 @@ def close_step_flags_hint(flag):
     """For a flag train.py does not take, nor a step, nor is it close to one of train.py's: the step flags it may have
     meant (``close_names``, as a step's own parser finds its flags: ``--entropy_coeff`` for step 3's --entropy_coef),
     with where they go, in words; else None."""
-    from dschat.args import LOCAL_RANK_FLAGS, close_names, step_flags
+    from dschat.args import LOCAL_RANK_FLAGS, close_names, one_spelling_each, step_flag_spellings
 
-    # (the launcher's --local_rank is no flag to pass to a step: train.py takes it itself)
-    meant = close_names(flag, [name for name in step_flags() if name not in LOCAL_RANK_FLAGS])
+    spellings = step_flag_spellings()
+    # (the launcher's --local_rank is no flag to pass to a step: train.py takes it itself; an option's other spelling
+    # is the same flag, named once)
+    meant = one_spelling_each(close_names(flag, [name for name in spellings if name not in LOCAL_RANK_FLAGS]),
+                              spellings.__getitem__)
     if not meant:
         return None
     places = {}  # (flags going to the same place are said together, in close_names' order)

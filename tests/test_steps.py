@@ -706,6 +706,17 @@ def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
         assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {given} 1\n"), given
 
 
+def test_train_py_names_a_step_option_once_for_its_spellings(capsys):
+    """train.py's hint named one step 3 option twice, by both its spellings: ``--generation_batch`` "did you mean
+    --generation_batches or --generation_batch_numbers", as a step's own parser does not (``one_spelling_each``)."""
+    step3 = "(a flag of step 3: give it to train.py inside --step3-args)?"
+    for given, meant in (("--generation_batch", "--generation_batches"),
+                         ("--per_device_mini", "--per_device_mini_train_batch_size")):
+        with pytest.raises(SystemExit):
+            _train_py_args(given)
+        assert capsys.readouterr().err.endswith(f"{given}: did you mean {meant} {step3}\n"), given
+
+
 def test_train_py_says_how_to_pass_a_flag_only_dpo_takes(capsys):
     """train.py's hint for a step's flag read steps 1, 2 and 3's parsers, apart from ``args.steps_taking`` which reads
     DPO's too: DPO's --beta given to train.py was said to be unrecognized and no more. Both read ``scripts_taking``."""
