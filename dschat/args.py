@@ -644,7 +644,7 @@ class TrainPyParser(HintingParser):
             spilled = left + step_flags_after(int(step[1]), groups[index + 1:])
             # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
             if spilled and (value is None or value.startswith("-") or len(spilled) > len(left)):
-                whole = " ".join(part for part in (value, *spilled) if part is not None)
+                whole = " ".join(part for part in (value, *spilled) if part)  # (an empty string given: no " " first)
                 self.error(f"unrecognized arguments: {' '.join(spilled)}\n  {option} takes step {step[1]}'s flags as "
                            f"one string: give them quoted, {option} {shlex.quote(whole)}")
 

@@ -673,6 +673,8 @@ def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
              quote.format(3, "'--print_answers --entropy_coef 0.01 --kl_ctl=0.2'")),
             (["--step1-args=--lora_dim 2", "--print_loss"], "--print_loss",
              quote.format(1, "'--lora_dim 2 --print_loss'")),
+            (["--step1-args=", "--lora_dim", "2"], "--lora_dim 2", quote.format(1, "'--lora_dim 2'")),
+            (["--step1-args", "", "--lora_dim", "2"], "--lora_dim 2", quote.format(1, "'--lora_dim 2'")),
             (["--step1-args", "--lora_dim 2", "--entropy_coef", "0.01"], "--entropy_coef 0.01",
              "--entropy_coef: a flag of step 3; give it to train.py inside --step3-args (one quoted string each), or "
              "run the step's training/.../main.py")):
