@@ -632,7 +632,9 @@ class TrainPyParser(HintingParser):
     def refuse_unquoted_step_args(self, argv):
         """A step's flags given to its --stepN-args unquoted (``--step3-args --entropy_coef 0.01``: the shell splits
         them, --step3-args takes the first and the others are left over) are an error that says to give them as one
-        quoted string, and which: argparse said only "unrecognized arguments: 0.01". (With -h/--help, the help.)"""
+        quoted string, and which: argparse said only "unrecognized arguments: 0.01". (With -h/--help, the help.) A
+        flag typed with one "-" or a pasted dash (``misdashed_flag``) ends them: it is told as argparse's other hints
+        tell it (``--step3-args --enable_ema -recipe grpo`` was told to give '--enable_ema -recipe grpo' to step 3)."""
         groups = flag_groups(self, argv)
         if any(dest == "help" for dest, _ in groups):
             return
@@ -640,13 +642,15 @@ class TrainPyParser(HintingParser):
             step = STEP_ARGS_DEST.fullmatch(dest or "")
             if step is None:
                 continue
-            option, value, left = step_args_value(tokens)
-            spilled = left + step_flags_after(int(step[1]), groups[index + 1:])
+            option, value, tokens_left = step_args_value(tokens)
+            left, misdashed = split_at_misdashed(tokens_left)
+            spilled = left + (step_flags_after(int(step[1]), groups[index + 1:]) if not misdashed else [])
             # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
             if spilled and (value is None or value.startswith("-") or len(spilled) > len(left)):
                 whole = " ".join(part for part in (value, *spilled) if part)  # (an empty string given: no " " first)
-                self.error(f"unrecognized arguments: {' '.join(spilled)}\n  {option} takes step {step[1]}'s flags as "
-                           f"one string: give them quoted, {option} {shlex.quote(whole)}")
+                self.error(f"unrecognized arguments: {' '.join(spilled + misdashed)}\n  {option} takes step {step[1]}'s "
+                           f"flags as one string: give them quoted, {option} {shlex.quote(whole)}"
+                           f"{self.hint(misdashed)}")
 
 
 # train.py's --stepN-args options, by dest: step N's flags as one string.
@@ -660,6 +664,12 @@ def step_args_value(tokens):
     if sep:
         return option, value, list(map(str, tokens[1:]))
     return option, (str(tokens[1]) if len(tokens) > 1 else None), list(map(str, tokens[2:]))
+
+
+def split_at_misdashed(tokens):
+    """``tokens`` before the first flag typed with one "-" or a pasted dash (``misdashed_flag``), and from it on."""
+    cut = next((index for index, token in enumerate(tokens) if misdashed_flag(token)), len(tokens))
+    return tokens[:cut], tokens[cut:]
 
 
 def step_flags_after(step, groups):

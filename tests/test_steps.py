@@ -675,6 +675,12 @@ def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
              quote.format(1, "'--lora_dim 2 --print_loss'")),
             (["--step1-args=", "--lora_dim", "2"], "--lora_dim 2", quote.format(1, "'--lora_dim 2'")),
             (["--step1-args", "", "--lora_dim", "2"], "--lora_dim 2", quote.format(1, "'--lora_dim 2'")),
+            # (a flag typed with one "-" or a pasted dash is no value of the string: told as such, not put in it)
+            (["--step3-args", "--enable_ema", "-recipe", "grpo"], "-recipe grpo",
+             "-recipe: begins with one '-', not '--'; did you mean --recipe?"),
+            (["--step3-args", "--entropy_coef", "0.1", "\u2013recipe", "grpo"], "0.1 \u2013recipe grpo",
+             quote.format(3, "'--entropy_coef 0.1'")
+             + "\n  \u2013recipe: begins with a typographic dash, not '--'; did you mean --recipe?"),
             (["--step1-args", "--lora_dim 2", "--entropy_coef", "0.01"], "--entropy_coef 0.01",
              "--entropy_coef: a flag of step 3; give it to train.py inside --step3-args (one quoted string each), or "
              "run the step's training/.../main.py")):
