@@ -634,7 +634,8 @@ class TrainPyParser(HintingParser):
         them, --step3-args takes the first and the others are left over) are an error that says to give them as one
         quoted string, and which: argparse said only "unrecognized arguments: 0.01". (With -h/--help, the help.) A
         flag typed with one "-" or a pasted dash (``misdashed_flag``) ends them: it is told as argparse's other hints
-        tell it (``--step3-args --enable_ema -recipe grpo`` was told to give '--enable_ema -recipe grpo' to step 3)."""
+        tell it (``--step3-args --enable_ema -recipe grpo`` was told to give '--enable_ema -recipe grpo' to step 3);
+        one that train.py takes by another name is told so too (``train_py_spelt``)."""
         groups = flag_groups(self, argv)
         if any(dest == "help" for dest, _ in groups):
             return
@@ -650,7 +651,7 @@ class TrainPyParser(HintingParser):
                 whole = " ".join(part for part in (value, *spilled) if part)  # (an empty string given: no " " first)
                 self.error(f"unrecognized arguments: {' '.join(spilled + misdashed)}\n  {option} takes step {step[1]}'s "
                            f"flags as one string: give them quoted, {option} {shlex.quote(whole)}"
-                           f"{self.hint(misdashed)}")
+                           f"{self.hint(train_py_spelt(spilled) + misdashed)}")
 
 
 # train.py's --stepN-args options, by dest: step N's flags as one string.
@@ -664,6 +665,14 @@ def step_args_value(tokens):
     if sep:
         return option, value, list(map(str, tokens[1:]))
     return option, (str(tokens[1]) if len(tokens) > 1 else None), list(map(str, tokens[2:]))
+
+
+def train_py_spelt(tokens):
+    """The flags among ``tokens`` that train.py takes by another name (``pipeline.TRAIN_PY_NAMES``: --output_dir for
+    its --output-dir): after a --stepN-args, a step's or train.py's, so told both ways."""
+    from dschat.pipeline import TRAIN_PY_NAMES
+
+    return [token for token in tokens if token.split("=", 1)[0] in TRAIN_PY_NAMES]
 
 
 def split_at_misdashed(tokens):

@@ -675,6 +675,9 @@ def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
              quote.format(1, "'--lora_dim 2 --print_loss'")),
             (["--step1-args=", "--lora_dim", "2"], "--lora_dim 2", quote.format(1, "'--lora_dim 2'")),
             (["--step1-args", "", "--lora_dim", "2"], "--lora_dim 2", quote.format(1, "'--lora_dim 2'")),
+            # (one train.py takes by another name: told so too, as without the string)
+            (["--step3-args", "--enable_ema", "--output_dir", "x"], "--output_dir x",
+             quote.format(3, "'--enable_ema --output_dir x'") + "\n  --output_dir: train.py's --output-dir"),
             # (a flag typed with one "-" or a pasted dash is no value of the string: told as such, not put in it)
             (["--step3-args", "--enable_ema", "-recipe", "grpo"], "-recipe grpo",
              "-recipe: begins with one '-', not '--'; did you mean --recipe?"),
