@@ -149,6 +149,37 @@ def test_an_unpinned_actor_is_refused_in_the_same_words_before_loading_and_by_th
                                      "hybrid_engine.pin_parameters true)")
 
 
+def test_an_actor_on_hf_generate_calling_other_submodules_by_length_is_refused_once_loaded(monkeypatch):
+    """RecurrentGemma on HF generate (--no-enable_hybrid_engine) under ZeRO-3 --zero3_fetch module on 2 ranks was
+    refused only from its config (``check_generation_gathers_alike``), which a notebook's DeepSpeedRLHFEngine never
+    makes and which reads no config of a hub actor not yet cached: the engine loaded it, and the ranks' first
+    rollouts gathered other weights (gloo aborted). The loaded actor is checked as the hybrid engine checks its own,
+    in the words of the check before loading; with whole layers as units it loads."""
+    from dschat.models.layers import mark_zero3_leaf_layers
+    from dschat.rlhf import engine as engine_module
+    from dschat.rlhf.engine import check_generation_gathers_alike
+    from tests.helpers import tiny_recurrent_gemma_actor
+
+    model = tiny_recurrent_gemma_actor()
+    monkeypatch.setattr(engine_module, "load_causal_lm", lambda *given, **kwargs: model)
+    # (DeepSpeed's own engine needs its ranks: the module as initialize_engine gives it)
+    monkeypatch.setattr(engine_module, "initialize_engine", lambda module, *given, **kwargs: SimpleNamespace(
+        module=module))
+    settings = step3_args({"actor_zero_stage": 3, "zero3_fetch": "module", "enable_hybrid_engine": False,
+                           "max_prompt_seq_len": 8, "max_answer_seq_len": 8, "actor_model_name_or_path": "rg"})
+    engine = SimpleNamespace(args=settings, world_size=2, actor_path="rg", tokenizer=None, actor_total_iters=1,
+                             _check_sequence_fits=lambda model: None,
+                             _trained_config=lambda stage, hybrid=False: step3_train_config(settings, 2, stage, hybrid))
+    with pytest.raises(UsageError, match=r"^HF generate \(--no-enable_hybrid_engine\) under ZeRO-3 on 2 ranks.*"
+                                         r"\(--zero3_fetch module\).*conv_1d.*--zero3_fetch layer") as loaded:
+        DeepSpeedRLHFEngine._init_actor(engine)
+    with pytest.raises(UsageError) as before_loading:
+        check_generation_gathers_alike(settings, 2, step3_train_config(settings, 2, 3), model.config)
+    assert str(loaded.value) == str(before_loading.value)
+    assert mark_zero3_leaf_layers(model) == 2  # (--zero3_fetch layer's units)
+    DeepSpeedRLHFEngine._init_actor(engine)
+
+
 def test_a_cpmant_actor_is_refused_before_anything_loads(tmp_path):
     """CPMAnt takes transformers' cache but cannot be decoded one token at a time over it
     (``NOT_DECODABLE_PER_TOKEN``): its config says so before the actor loads."""

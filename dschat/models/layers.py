@@ -131,21 +131,31 @@ def refuse_ranks_gathering_otherwise(family, world_size, generating, other_way="
                      f"{way_out}{other_way}")
 
 
-def refuse_unpinned_generation(family, world_size):
+def refuse_unpinned_generation(family, world_size, zero3_fetch="module"):
     """``refuse_ranks_gathering_otherwise`` for the hybrid engine generating without pinned parameters (every
     forward a gather), with pinning as the other way out: the check before loading
     (``rlhf.engine.check_generation_gathers_alike``) and the hybrid engine's own (``check_ranks_gather_alike``)."""
     refuse_ranks_gathering_otherwise(
         family, world_size, "the hybrid engine generating without pinned parameters (--unpin_actor_parameters, or "
         "hybrid_engine.pin_parameters false)", ", or keep the actor's parameters pinned (no --unpin_actor_parameters: "
-        "hybrid_engine.pin_parameters true)")
+        "hybrid_engine.pin_parameters true)", zero3_fetch=zero3_fetch)
 
 
-def check_ranks_gather_alike(model, world_size):
-    """``refuse_unpinned_generation`` for the hybrid engine generating with ``model``, a ZeRO-3 module whose
-    parameters are not pinned (every forward a gather), where its decoder layers are not ZeRO-3's fetch units."""
+def refuse_hf_generation(family, world_size, zero3_fetch="module"):
+    """``refuse_ranks_gathering_otherwise`` for step 3's actor generating with HF generate (no hybrid engine: every
+    forward a gather): the check before loading (``rlhf.engine.check_generation_gathers_alike``) and the loaded
+    actor's (``check_ranks_gather_alike``, from ``DeepSpeedRLHFEngine._init_actor``)."""
+    refuse_ranks_gathering_otherwise(family, world_size, "HF generate (--no-enable_hybrid_engine)",
+                                     zero3_fetch=zero3_fetch)
+
+
+def check_ranks_gather_alike(model, world_size, refuse=refuse_unpinned_generation, zero3_fetch="module"):
+    """``refuse`` (``refuse_unpinned_generation``: the hybrid engine without pinned parameters;
+    ``refuse_hf_generation``: HF generate) for ``model`` generating, a ZeRO-3 module whose every forward is a gather,
+    where its decoder layers are not ZeRO-3's fetch units (``zero3_fetch``: as given; ``layer``, its layers could not
+    be made units)."""
     if world_size > 1 and not gathers_whole_layers(model):
-        refuse_unpinned_generation(model_family(model), world_size)
+        refuse(model_family(model), world_size, zero3_fetch=zero3_fetch)
 
 
 def refuse_forwards_gathering_otherwise(family, world_size, whose="its", zero3_fetch="module"):

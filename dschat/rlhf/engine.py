@@ -13,6 +13,7 @@ from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.checkpoint import SAVED_DTYPE_ATTRIBUTE
+from dschat.models.layers import check_ranks_gather_alike, refuse_hf_generation, refuse_unpinned_generation
 from dschat.models.loading import (TORCH_DTYPES, check_sequence_fits, config_dropouts, embedding_rows,
                                    generable_token_count, load_causal_lm, load_tokenizer)
 from dschat.models.lora import apply_lora, check_only_optimize_lora
@@ -417,13 +418,12 @@ def check_generation_gathers_alike(args, world_size, actor_ds_config, config):
     DeepSeek-V4) generating under ZeRO-3 fetched submodule by submodule (``--zero3_fetch module``) on several ranks,
     every forward a gather (HF generate, or the hybrid engine without pinned parameters), refused from its ``config``
     before any weight loads: the ranks gathered other weights (2 CPU ranks: gloo aborted). The hybrid engine checks
-    its actor's own fetch units again when built (``check_ranks_gather_alike``)."""
-    from dschat.models.layers import refuse_ranks_gathering_otherwise, refuse_unpinned_generation
-
+    its actor's own fetch units again when built (``check_ranks_gather_alike``), and so does the engine's
+    ``_init_actor`` for HF generate."""
     if config is None or args.zero3_fetch != "module" or actor_ds_config["zero_optimization"]["stage"] != 3:
         return
     if not args.enable_hybrid_engine:
-        refuse_ranks_gathering_otherwise(config.model_type, world_size, "HF generate (--no-enable_hybrid_engine)")
+        refuse_hf_generation(config.model_type, world_size)
     elif not actor_ds_config.get("hybrid_engine", {}).get("pin_parameters", True):
         refuse_unpinned_generation(config.model_type, world_size)
 
@@ -756,6 +756,10 @@ class DeepSpeedRLHFEngine:
         print_rank_0(f"[step3] actor {self.actor_path}: ZeRO-{a.actor_zero_stage}, "
                      f"hybrid engine {'on' if a.enable_hybrid_engine else 'off'}")
         if not a.enable_hybrid_engine:
+            # check_generation_gathers_alike's backstop: a notebook's engine skips that check, it reads no config of
+            # a hub actor not yet cached, and whether --zero3_fetch layer made units is known only now
+            if ds_config["zero_optimization"]["stage"] == 3:
+                check_ranks_gather_alike(engine.module, self.world_size, refuse_hf_generation, a.zero3_fetch)
             return engine_takes_checkpointing_calls(engine)  # (DeepSpeed-Chat's loop's call, as the hybrid engine's)
         actor = HybridEngine(engine, HybridEngineConfig.from_ds_config(ds_config),
                              pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
