@@ -449,21 +449,22 @@ def _check_step_args(steps, args, tiny, parsers):
         with says_train_py_flags(step, args, argvs[step]):
             parsed[step] = parser.parse_args(argvs[step]), parser
     check_data_fields_name_the_steps_datasets(args, [flags for flags, _ in parsed.values()])
+    steps_flags = {step: flags for step, (flags, _) in parsed.items()}
     for step, (flags, parser) in parsed.items():
         with says_train_py_flags(step, args, argvs[step]):
-            check_one_steps_flags(step, steps, args, tiny, flags, parser)
+            check_one_steps_flags(step, steps, args, tiny, flags, parser, steps_flags)
     for step, (flags, _) in parsed.items():
         check_earlier_outputs(step, steps, args, flags)
-    say_splits_that_differ({step: flags for step, (flags, _) in parsed.items()})
+    say_splits_that_differ(steps_flags)
     check_reward_model_tokenizer(steps, args, tiny)
-    flags = {step: flags for step, (flags, _) in parsed.items()}
-    check_sequence_lengths(args, flags)
-    check_hub_data_at_hand(args, flags)  # (last: it may load a dataset, where the checks above read flags and files)
-    return flags
+    check_sequence_lengths(args, steps_flags)
+    check_hub_data_at_hand(args, steps_flags)  # (last: it may load a dataset; the checks above read flags and files)
+    return steps_flags
 
 
-def check_one_steps_flags(step, steps, args, tiny, flags, parser):
-    """``check_step_args``'s checks of one step's parsed ``flags`` (its data's too, where no earlier step runs)."""
+def check_one_steps_flags(step, steps, args, tiny, flags, parser, steps_flags):
+    """``check_step_args``'s checks of one step's parsed ``flags`` (its data's too, where no earlier step runs);
+    ``steps_flags``: every step's (step -> its flags), for the model an earlier step's output folder will hold."""
     from dschat.data.fields import parse_data_fields
     from dschat.data.unsupervised import check_unsupervised_file
     from dschat.rlhf.config import step3_args
@@ -487,7 +488,9 @@ def check_one_steps_flags(step, steps, args, tiny, flags, parser):
             check_unsupervised_file(getattr(flags, "unsupervised_dataset_name", None),
                                     getattr(flags, "unsupervised_dataset_config_name", None))
     else:
-        check_supervised_settings(flags, phase=step)
+        # (DPO's step 2 reads step 1's folder, which may hold an earlier run's model: the one step 1 starts from)
+        check_supervised_settings(flags, phase=step,
+                                  model_architecture=_model_to_read(flags.model_name_or_path, args, steps_flags))
         if step == 2 and getattr(args, "recipe", "ppo") == "dpo":
             from dschat.steps.dpo import check_dpo_flags
 

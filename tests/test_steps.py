@@ -3065,3 +3065,28 @@ def test_every_step_refuses_deepseek_v4_under_zero3_module_fetch_on_several_rank
         ppo.main([*step3, "--actor_zero_stage", "3"])
     with pytest.raises(UsageError, match=r"on 2 ranks, each forward gathering the critic's \(deepseek_v4\)"):
         ppo.main([*step3, "--critic_zero_stage", "3"])
+
+
+def test_train_py_checks_dpo_on_the_model_step1_starts_from_not_an_earlier_runs_step1_output(tmp_path, distributed,
+                                                                                              monkeypatch):
+    """train.py's check of DPO's step 2 from its config (DeepSeek-V4 under ZeRO-3 --zero3_fetch module on several
+    ranks) read <output-dir>/step1_sft before step 1 had run: an earlier run's DeepSeek-V4 there refused a Llama run
+    that step 1 would have replaced it with (and an earlier Llama there let a DeepSeek-V4 run through to its load).
+    Now it reads the model step 1 starts from, as step 3's checks do; step 2 alone reads the folder."""
+    import runpy
+
+    from dschat import pipeline
+    from dschat.args import step1_parser
+    from dschat.errors import UsageError
+    from helpers import tiny_deepseek_v4_actor
+
+    tiny_deepseek_v4_actor().config.save_pretrained(tmp_path / "out" / "step1_sft")  # (the earlier run's)
+    monkeypatch.setattr(common, "get_world_size", lambda: 2)  # (steps 1 and 2's check reads it there)
+    args = runpy.run_path(str(REPO / "train.py"))["parse_args"](
+        ["--recipe", "dpo", "--actor-model", "tiny-llama", "--output-dir", str(tmp_path / "out"),
+         "--actor-zero-stage", "3", "--step1-args", "--zero3_fetch module", "--step2-args", "--zero3_fetch module"])
+    parsers = {1: step1_parser, 2: pipeline.step_parser(2, "dpo")}
+    pipeline.check_step_args([1, 2], args, True, parsers)  # (step 1 writes a Llama there first)
+    with pytest.raises(UsageError, match=r"on 2 ranks, each forward gathering --model_name_or_path's "
+                                         r"\(deepseek_v4\) weights"):
+        pipeline.check_step_args([2], args, True, parsers)

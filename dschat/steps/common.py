@@ -1392,10 +1392,12 @@ def load_step_data(args, tokenizer, phase, read_margins=False):
     return train, eval_
 
 
-def check_supervised_settings(args, phase, name=None, quiet=True):
+def check_supervised_settings(args, phase, name=None, quiet=True, model_architecture=None):
     """The DeepSpeed config of steps 1, 2 and DPO (``supervised_ds_config``), after the checks that make flags that
     contradict each other or leave the step no data, and a config file at odds with them, fail here: before the step
-    loads anything, and in train.py before the first step runs."""
+    loads anything, and in train.py before the first step runs. ``model_architecture``: where the model's config is
+    read, when not from --model_name_or_path (train.py, before step 1 writes the folder DPO's step 2 starts from,
+    which may hold an earlier run's model: the model step 1 starts from)."""
     from dschat.data.raw_datasets import check_data_paths
     from dschat.data.splits import check_phase_share
     from dschat.models.lora import check_only_optimize_lora
@@ -1413,20 +1415,20 @@ def check_supervised_settings(args, phase, name=None, quiet=True):
     as_data_fields(args.data_fields).check_names([*as_list(args.data_path), *as_list(sft_only)],
                                                  "--data_path or --sft_only_data_path")
     ds_config = supervised_ds_config(args, name or f"step{phase}", quiet=quiet)
-    check_supervised_forwards_alike(args, ds_config)
+    check_supervised_forwards_alike(args, ds_config, model_architecture or args.model_name_or_path)
     return ds_config
 
 
-def check_supervised_forwards_alike(args, ds_config):
+def check_supervised_forwards_alike(args, ds_config, model_path):
     """The model of steps 1, 2 and DPO (and DPO's reference, sharded like it on several ranks) refused from its config
     before its weights load where its every forward would gather other weights on the ranks
     (``layers.check_config_forwards_alike``: DeepSeek-V4 under ZeRO-3 with --zero3_fetch module); the engine's own
     check stopped it only after the model had loaded. A model not written yet (train.py's step 2 reads step 1's) is
-    checked when it loads."""
+    checked when it loads. ``model_path``: the model whose config is read (``check_supervised_settings``)."""
     from dschat.models.layers import check_config_forwards_alike
     from dschat.rlhf.engine import model_config_or_none
 
-    check_config_forwards_alike(functools.partial(model_config_or_none, args.model_name_or_path, local_only=True),
+    check_config_forwards_alike(functools.partial(model_config_or_none, model_path, local_only=True),
                                 ds_config["zero_optimization"]["stage"], args.zero3_fetch, get_world_size(),
                                 "--model_name_or_path's")
 
