@@ -5,6 +5,7 @@ from the step-2 reward model), reward (frozen), and an optional EMA copy of the 
 """
 import argparse
 import copy
+import functools
 
 from dschat.args import (check_repetition_penalty_flag, check_sampling_flags, critic_only_flags, given_flags,
                          hybrid_engine_only_flags, unread_conditional_flags)
@@ -13,7 +14,8 @@ from dschat.data.raw_datasets import check_data_paths
 from dschat.data.splits import check_phase_share
 from dschat.errors import MissingInputError, UsageError
 from dschat.models.checkpoint import SAVED_DTYPE_ATTRIBUTE
-from dschat.models.layers import check_ranks_gather_alike, refuse_hf_generation, refuse_unpinned_generation
+from dschat.models.layers import (check_config_forwards_alike, check_ranks_gather_alike, refuse_hf_generation,
+                                  refuse_unpinned_generation)
 from dschat.models.loading import (TORCH_DTYPES, check_sequence_fits, config_dropouts, embedding_rows,
                                    generable_token_count, load_causal_lm, load_tokenizer)
 from dschat.models.lora import apply_lora, check_only_optimize_lora
@@ -433,10 +435,6 @@ def check_step3_forwards_alike(args, world_size, actor_ds_config, actor_config, 
     (``layers.check_config_forwards_alike``: DeepSeek-V4 under ZeRO-3 with --zero3_fetch module) refused from its
     config before any weight loads: the actor (and the reference and EMA copies sharded like it), the critic and the
     reward model (sharded like the critic). ``critic_path``: None where train.py's step 2 writes it later."""
-    import functools
-
-    from dschat.models.layers import check_config_forwards_alike
-
     check_config_forwards_alike(lambda: actor_config, actor_ds_config["zero_optimization"]["stage"],
                                 args.zero3_fetch, world_size, "the actor's")
     reward_path = args.reward_model_name_or_path or critic_path
