@@ -788,6 +788,9 @@ def test_train_py_checks_the_plan_on_the_model_step1_starts_from_not_an_earlier_
 
     llama(tmp_path / "out" / "step1_sft", heads=4)
     llama(tmp_path / "start", heads=8)
+    # (the modules that copy get_world_size, imported before it is patched: imported during the test, they kept the
+    # patched one past it, and the test failed alone)
+    import dschat.rlhf.checkpointing, dschat.rlhf.evaluation, dschat.steps.ppo, dschat.steps.resume  # noqa: E401,F401
     dist.ensure_distributed()  # (rank 0's decisions broadcast in the group: not one an earlier test left)
     monkeypatch.setattr(dist, "get_world_size", lambda: 8)
     args = runpy.run_path(str(REPO / "train.py"))["parse_args"](
