@@ -211,6 +211,36 @@ def test_a_deepseek_v4_engine_whose_layers_could_not_be_made_units_is_refused_by
     assert "--zero3_fetch module" not in said and "Use --zero3_fetch layer" not in said
 
 
+def test_the_hybrid_engines_refusal_says_layers_given_could_not_be_made_units(monkeypatch):
+    """The hybrid engine's own check (``build_inference_weights`` -> ``check_ranks_gather_alike``, unpinned ZeRO-3 on
+    several ranks) did not know the --zero3_fetch given: a RecurrentGemma actor whose layers --zero3_fetch layer
+    could not make units (layerdrop) was told "(--zero3_fetch module)" and "Use --zero3_fetch layer". The flag is
+    kept on the model its engine was prepared from (``prepare_zero3_hooks``), and the refusal says what happened."""
+    from dschat.hybrid_engine import weights
+    from dschat.hybrid_engine.config import HybridEngineConfig
+    from dschat.models.training_engine import prepare_zero3_hooks
+    from dschat.utils import dist
+    from tests.helpers import tiny_recurrent_gemma_actor
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(weights, "get_world_size", lambda: 2)
+    unpinned = HybridEngineConfig(enabled=True, pin_parameters=False)
+    model = tiny_recurrent_gemma_actor()
+    model.config.layerdrop = 0.1  # (a layer skipped at random never fires DeepSpeed's hooks: no units)
+    prepare_zero3_hooks(model, {"zero_optimization": {"stage": 3}}, "layer")  # (its calls vary at one token only)
+    with pytest.raises(UsageError) as refused:
+        weights.build_inference_weights(model, unpinned, 3, torch.device("cpu"))
+    said = str(refused.value)
+    assert said.startswith("the hybrid engine generating without pinned parameters") and "(recurrent_gemma)" in said
+    assert "submodule by submodule (its decoder layers could not be made --zero3_fetch layer units: mixed or " \
+           "miscounted blocks, or layerdrop)" in said and "Run it at ZeRO stage 2 or below, or on one rank" in said
+    assert "--zero3_fetch module" not in said and "Use --zero3_fetch layer" not in said
+    model = tiny_recurrent_gemma_actor()  # (given module: that is what it says)
+    prepare_zero3_hooks(model, {"zero_optimization": {"stage": 3}}, "module")
+    with pytest.raises(UsageError, match=r"submodule by submodule \(--zero3_fetch module\).*Use --zero3_fetch layer"):
+        weights.build_inference_weights(model, unpinned, 3, torch.device("cpu"))
+
+
 def test_zero3_fetch_flag_defaults_to_layer_in_every_step():
     assert step1_parser().parse_args([]).zero3_fetch == "layer"
     assert step1_parser().parse_args(["--zero3_fetch", "module"]).zero3_fetch == "module"

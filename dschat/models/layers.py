@@ -149,13 +149,25 @@ def refuse_hf_generation(family, world_size, zero3_fetch="module"):
                                      zero3_fetch=zero3_fetch)
 
 
-def check_ranks_gather_alike(model, world_size, refuse=refuse_unpinned_generation, zero3_fetch="module"):
+def record_zero3_fetch(model, zero3_fetch):
+    """Keep on ``model`` the --zero3_fetch its engine was prepared with (``prepare_zero3_hooks``), for a check that
+    later sees only the engine (the hybrid engine's ``check_ranks_gather_alike``), whose refusal says what was given."""
+    model._dschat_zero3_fetch = zero3_fetch
+
+
+def zero3_fetch_given(model):
+    """The --zero3_fetch ``model``'s engine was prepared with (``record_zero3_fetch``); "module" for one dschat did
+    not prepare (DeepSpeed's own per-module hooks)."""
+    return getattr(model, "_dschat_zero3_fetch", "module")
+
+
+def check_ranks_gather_alike(model, world_size, refuse=refuse_unpinned_generation, zero3_fetch=None):
     """``refuse`` (``refuse_unpinned_generation``: the hybrid engine without pinned parameters;
     ``refuse_hf_generation``: HF generate) for ``model`` generating, a ZeRO-3 module whose every forward is a gather,
-    where its decoder layers are not ZeRO-3's fetch units (``zero3_fetch``: as given; ``layer``, its layers could not
-    be made units)."""
+    where its decoder layers are not ZeRO-3's fetch units (``zero3_fetch``: as given, None for the one its engine was
+    prepared with, ``zero3_fetch_given``; ``layer``, its layers could not be made units)."""
     if world_size > 1 and not gathers_whole_layers(model):
-        refuse(model_family(model), world_size, zero3_fetch=zero3_fetch)
+        refuse(model_family(model), world_size, zero3_fetch=zero3_fetch or zero3_fetch_given(model))
 
 
 def refuse_forwards_gathering_otherwise(family, world_size, whose="its", zero3_fetch="module"):

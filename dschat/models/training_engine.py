@@ -170,12 +170,14 @@ def prepare_zero3_hooks(model, ds_config, zero3_fetch):
     ``deepspeed.initialize`` registers its hooks); a model that rescales weights in place as its mode changes (RWKV)
     no longer does (``no_in_place_rescaling``); a family whose forwards gather other weights by width is refused on
     several ranks without such units (``check_ranks_forward_alike``)."""
-    from dschat.models.layers import ZERO3_FETCH_UNITS, check_ranks_forward_alike, mark_zero3_leaf_layers
+    from dschat.models.layers import (ZERO3_FETCH_UNITS, check_ranks_forward_alike, mark_zero3_leaf_layers,
+                                      record_zero3_fetch)
     from dschat.models.zero3 import no_in_place_rescaling
     from dschat.utils.dist import get_world_size
 
     if zero3_fetch not in ZERO3_FETCH_UNITS:
         raise UsageError(f"--zero3_fetch must be one of {ZERO3_FETCH_UNITS}, got {zero3_fetch!r}")
+    record_zero3_fetch(model, zero3_fetch)  # (the hybrid engine's check sees only the engine's module)
     if ds_config["zero_optimization"]["stage"] == 3:
         no_in_place_rescaling(model)
     if ds_config["zero_optimization"]["stage"] == 3 and zero3_fetch == "layer" and not mark_zero3_leaf_layers(model):
