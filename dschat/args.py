@@ -466,10 +466,36 @@ class HintingParser(SaidOnceParser):
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else args
         self.refuse_unknown_flags(argv)
+        self.refuse_misdashed_before_required(argv)
         parsed, extras = self.parse_known_args(argv, namespace)
-        if extras:  # (argparse's error, with the hints: a flag typed with a pasted dash is a value to argparse)
-            self.error(f"unrecognized arguments: {' '.join(extras)}{self.hint(extras)}")
+        self.refuse_extras(extras)
         return parsed
+
+    def refuse_extras(self, extras):
+        """argparse's error for the tokens ``extras`` it did not take, with the hints (a flag typed with a pasted dash
+        is a value to argparse, one with one "-" an unknown short flag)."""
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self.hint(extras)}")
+
+    def refuse_misdashed_before_required(self, argv):
+        """A flag typed with one "-" or a pasted dash (``misdashed_flag``) that argparse leaves over is said before a
+        missing required flag: ``rw_eval -model_name_or_path x`` was told only that --model_name_or_path is required,
+        though the user had typed it. argparse checks the required flags before it returns what it left over, so
+        this parses once with none required (an error of another flag's value comes first in both); it only changes
+        which error a command line that fails anyway is told."""
+        required = [action for action in self._actions if action.required] + \
+            [group for group in self._mutually_exclusive_groups if group.required]
+        if not required or not any(misdashed_flag(str(token)) for token in argv):
+            return
+        for each in required:
+            each.required = False
+        try:
+            _, extras = self.parse_known_args(argv)
+        finally:
+            for each in required:
+                each.required = True
+        if any(misdashed_flag(token) for token in extras):
+            self.refuse_extras(extras)
 
     def refuse_unknown_flags(self, argv):
         """Each ``--flag`` of ``argv`` this parser lacks (with the values after it) is an error, before argparse's

@@ -1104,6 +1104,37 @@ def test_a_mistyped_tool_flag_is_the_error_naming_the_flag_meant(tool, argv, nam
     assert "required" not in err
 
 
+@pytest.mark.parametrize("tool, argv, how, meant", [
+    ("rw_eval", ["-model_name_or_path", "tiny-llama"], "begins with one '-'", "--model_name_or_path"),
+    ("rw_eval", ["\u2013model_name_or_path", "tiny-llama"], "begins with a typographic dash", "--model_name_or_path"),
+    ("prompt_eval", ["--model_name_or_path_baseline", "tiny-llama", "\u2014model_name_or_path_finetune", "x"],
+     "begins with a typographic dash", "--model_name_or_path_finetune"),
+    ("chat", ["-path", "tiny-llama"], "begins with one '-'", "--path")])
+def test_a_required_flag_typed_with_the_wrong_dash_is_told_before_it_is_missing(tool, argv, how, meant, capsys):
+    """``rw_eval -model_name_or_path x`` (one "-", or a pasted en dash) was told only "the following arguments are
+    required: --model_name_or_path": argparse checks the required flags before the hints, which name the flag the
+    user typed with the wrong dash. The hint now comes first, as where the required flag is given."""
+    import importlib
+
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(f"dschat.tools.{tool}").main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"unrecognized arguments: {' '.join(argv[-2:])}\n  {argv[-2]}: {how}, not " \
+           f"'--'; did you mean {meant}?\n" in err, err
+    assert "required" not in err
+
+
+def test_a_pasted_dash_value_of_a_flag_leaves_a_missing_required_flag_the_error(capsys):
+    """The required flag's error stays where the misdashed token is a flag's value (argparse took it) and the
+    required flag is not given: ``rw_eval --prompt \u2013x`` lacks --model_name_or_path."""
+    from dschat.tools import rw_eval
+
+    with pytest.raises(SystemExit):
+        rw_eval.main(["--prompt", "\u2013x"])
+    err = capsys.readouterr().err
+    assert "the following arguments are required: --model_name_or_path" in err and "unrecognized" not in err, err
+
+
 def test_a_hint_never_names_a_flag_the_tool_hides(capsys):
     """ppo_eval's --sft_only_data_path (step 3's shared flag, hidden from --help and refused) was the "did you mean" of
     --sft_only_data_pth: a hint named a flag the tool refuses."""
