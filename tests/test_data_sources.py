@@ -1160,6 +1160,33 @@ def test_a_binary_table_named_compressed_is_told_its_fix_in_one_run(tmp_path, na
     assert raw(written, tmp_path).raw_datasets["train"]["prompt"] == [record["prompt"] for record in RECORDS]
 
 
+@pytest.mark.parametrize("form", ["parquet", "arrow"])
+def test_a_folders_binary_tables_named_csv_are_all_told_their_fix_in_one_run(tmp_path, form):
+    """A folder whose train.csv and test.csv are both Parquet (or Arrow) files was told of train.csv alone: followed,
+    the next run told of test.csv. Every such file's command is told at once now (as a compressed folder's are): run,
+    the commands make the folder load, its train and its eval records."""
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, records in (("train.csv", RECORDS[:15]), ("test.csv", RECORDS[15:])):
+        if form == "parquet":
+            pd.DataFrame(records).to_parquet(folder / name)
+        else:
+            import pyarrow
+            import pyarrow.feather
+
+            pyarrow.feather.write_feather(pyarrow.table(pd.DataFrame(records)), str(folder / name))
+    with pytest.raises(DatasetFormatError, match=r"train\.csv: the file is an? .*, not csv: make its files read as "
+                                                 r"what they are \((.*)\) and give the folder again$") as error:
+        raw(str(folder), tmp_path)
+    assert "test.csv" in str(error.value)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_train_data()) == expected_tuples(RECORDS[:15])
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+
+
 @pytest.mark.parametrize("column", ["PAR1", "FEA1", "ARROW1"])
 def test_a_csv_whose_first_column_is_named_as_a_binary_tables_magic_is_read_as_csv(tmp_path, column):
     """A CSV whose header begins with a binary table's magic (a column named PAR1 or FEA1: "feature 1") was refused

@@ -472,15 +472,35 @@ def compressed_error(path, tool, where=None, kind=None, plain_fix=None):
     -k x.jsonl`` would refuse it for its name); another is to be decompressed (or ``plain_fix``: a folder's, the
     commands that write all its plain files). ``where``: how the error names ``path`` (``data_spec_where``: with the
     flag that gave it), else by itself."""
-    extension = PACKED_JSON_EXTENSIONS.get(tool)
-    if extension and kind in ("json", "jsonl"):
+    if _read_decompressed_as(kind, tool):
         return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which its name does not say: "
-                                  f"name it so ({rename_command(path, named_compressed_with(path, extension))}), "
-                                  "and it is read decompressed")
+                                  + (plain_fix or f"name it so ({compressed_file_command(path, tool, kind)}), and it "
+                                                  "is read decompressed"))
     return DatasetFormatError(f"{where or path}: the file is compressed with {tool}, which dschat does not read here "
                               "(it reads JSON and JSON Lines compressed with gzip, bzip2 or xz, named so: x.jsonl.gz): "
                               + (plain_fix or f"decompress it ({decompress_command(path, tool)}) and give the file "
                                                "that writes"))
+
+
+def _read_decompressed_as(kind, tool):
+    """Whether a file of ``kind`` compressed with ``tool`` is read decompressed where its name says so (JSON and JSON
+    Lines in gzip, bzip2 or xz: ``PACKED_JSON_EXTENSIONS``)."""
+    return tool in PACKED_JSON_EXTENSIONS and kind in ("json", "jsonl")
+
+
+def compressed_file_command(path, tool, kind):
+    """The shell command that makes the file at ``path``, of ``kind`` and compressed with ``tool``, read: the name
+    that says its compression, for one read decompressed (``_read_decompressed_as``), else its decompression
+    (``decompress_command``)."""
+    if _read_decompressed_as(kind, tool):
+        return rename_command(path, named_compressed_with(path, PACKED_JSON_EXTENSIONS[tool]))
+    return decompress_command(path, tool)
+
+
+def folder_fix(commands, what, again="give the folder again"):
+    """The words that tell a folder's fix: ``what`` to do, with the shell ``commands`` of every file of it that is
+    not read as named, joined, then ``again``: told a file at a time, a folder of two such files took two runs."""
+    return f"{what} ({' && '.join(commands)}) and {again}"
 
 
 def decompress_command(path, tool):
@@ -530,10 +550,10 @@ def check_folder_not_compressed(folder, where=None):
         return
     # each told by its bytes, not its name: train.csv.gz of xz, or plain text, was told `gunzip -k`, which refuses it
     held = {path: held_compression(path, COMPRESSED_EXTENSIONS[os.path.splitext(path)[1]]) for path in paths}
-    commands = " && ".join(plain_file_command(path, held[path]) for path in paths)
+    commands = [plain_file_command(path, held[path]) for path in paths]
     # (the train file's own message, with the commands for all the folder's files)
     train_where = f"{where or folder}: its train data {os.path.basename(train)}"
-    plain_fix = f"write its plain files ({commands}) and give the folder again"
+    plain_fix = folder_fix(commands, "write its plain files")
     if held[train] is None:
         named = COMPRESSED_EXTENSIONS[os.path.splitext(train)[1]]
         raise misnamed_compressed_error(train, named, None, train_where, plain_fix=plain_fix)
@@ -552,21 +572,42 @@ def _head_of(path):
         return f.read(HEAD_BYTES)
 
 
-def check_bytes_read_as(kind, path, where=None, head=None, typed=False):
-    """A data file of ``kind`` whose first bytes say it is not read so is an error saying what it is: compressed
-    otherwise than as JSON named so (``PACKED_JSON``: train.jsonl.gz, read decompressed, ``open_data_file``;
-    ``compressed_error``), read as text it was 'not UTF-8 text ... save the file as UTF-8'; or a binary table file of
-    another kind (``binary_table_error``: a Parquet file named train.csv). ``where``: how the error names ``path``;
-    ``head``: its first bytes where read already (``HashedFile.head``); ``typed``: the file was given as TYPE:PATH."""
+def check_bytes_read_as(kind, path, where=None, head=None, typed=False, fix=None):
+    """A data file of ``kind`` whose first bytes say it is not read so (``bytes_not_read_as``) is an error saying
+    what it is: compressed (``compressed_error``), read as text it was 'not UTF-8 text ... save the file as UTF-8'; or
+    a binary table file of another kind (``binary_table_error``: a Parquet file named train.csv). ``where``: how the
+    error names ``path``; ``head``: its first bytes where read already (``HashedFile.head``); ``typed``: the file was
+    given as TYPE:PATH; ``fix``: the words that tell the fix, where not the file's own (a folder's: ``folder_fix``)."""
+    held = bytes_not_read_as(kind, path, head)
+    if isinstance(held, BinaryTable):
+        raise binary_table_error(path, kind, held, where, typed, fix)
+    if held is not None:
+        raise compressed_error(path, held, where, kind, plain_fix=fix)
+
+
+def bytes_not_read_as(kind, path, head=None):
+    """What the file at ``path``, read as ``kind``, holds by its first bytes (``head`` where read already) that is not
+    read so, else None: the tool it is compressed with (``compressed_with``), but JSON named so (``PACKED_JSON``:
+    train.jsonl.gz, read decompressed, ``open_data_file``) and text (datasets' text reader decompresses it); or the
+    BinaryTable it is, of another kind (``binary_table_of``)."""
     if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
-        return
+        return None
     head = _head_of(path) if head is None else head
-    tool = compressed_with(path, head)
+    tool = None if kind == "text" else compressed_with(path, head)
     if tool:
-        raise compressed_error(path, tool, where, kind)
+        return tool
     table = binary_table_of(path, head)
-    if table is not None and table.kind != kind:
-        raise binary_table_error(path, kind, table, where, typed)
+    return table if table is not None and table.kind != kind else None
+
+
+def read_as_command(kind, path):
+    """The shell command that makes the file at ``path`` read, where its bytes say it is not read as ``kind``
+    (``bytes_not_read_as``), else None: its decompression or name (``compressed_file_command``), or a binary table's
+    (``binary_table_command``)."""
+    held = bytes_not_read_as(kind, path)
+    if isinstance(held, BinaryTable):
+        return binary_table_command(path, held)
+    return None if held is None else compressed_file_command(path, held, kind)
 
 
 def binary_table_of(path, head=None):
@@ -589,14 +630,17 @@ def is_binary_table(path, table):
         return f.read() == end
 
 
-def binary_table_error(path, kind, table, where=None, typed=False):
+def binary_table_error(path, kind, table, where=None, typed=False, fix=None):
     """The error for the file at ``path``, read as ``kind`` (None: its name tells no type, x.arrow), that is the binary
     ``table`` (a BinaryTable): one dschat reads is told the name to give it (train.csv: ``mv train.csv
     train.parquet``, in ``compressed_error``'s words), or, named so already or given as TYPE:PATH (``typed``: renamed,
     the path given was a file not found), the type to give; another is told the command that names it so and writes
     it as Parquet (``binary_table_command``), after its ``advice`` (an Arrow IPC stream: the save_to_disk folder it is
-    from, read as disk:FOLDER). ``where``: how the error names ``path``."""
+    from, read as disk:FOLDER). ``where``: how the error names ``path``; ``fix``: the words that tell the fix, where
+    not the file's own (a folder's: ``folder_fix``)."""
     said = f"{where or path}: the file is {table.what}" + (f", not {kind}" if kind else "")
+    if fix:
+        return DatasetFormatError(f"{said}: {fix}")
     if table.kind is not None and (typed or binary_table_path(path, table) == path):
         return DatasetFormatError(f"{said}: give it as {table.kind}:{path}")
     return DatasetFormatError(f"{said}{binary_table_fix(path, table)}")

@@ -34,8 +34,8 @@ from .digests import all_files, file_digest_and_stamp
 from .errors import DatasetFormatError
 from .fields import EVAL_SPLIT_NAMES, EXTENSION_TYPES, LOCAL_TYPES, files_where
 from .reading import (COMPRESSED_EXTENSIONS, PACKED_JSON, _is_saved_dataset, binary_table_error, binary_table_of,
-                      check_bytes_read_as, check_folder_not_compressed, data_file_extensions, held_compression,
-                      load_split_files, misnamed_compressed_error)
+                      check_bytes_read_as, check_folder_not_compressed, data_file_extensions, folder_fix,
+                      held_compression, load_split_files, misnamed_compressed_error, read_as_command)
 
 
 TINY_DATA_DIR = Path(__file__).resolve().parents[1] / "tiny" / "data"
@@ -243,11 +243,22 @@ def _typed_source(kind, paths_text, spec, flag):
     source = _source_of_paths(kind, paths_text, spec, flag)
     # (one file given as TYPE:PATH: its type, not its name, is the one to change where its bytes say another)
     typed = paths_text.strip() if paths_text != spec and os.path.isfile(paths_text.strip()) else None
-    for file_kind, paths in ((source.kind, source.train_files), (source.eval_type, source.eval_files)):
-        for path in paths:  # (said here, with the flag, before any step runs: loading said the file alone)
-            if os.path.isfile(path):
-                check_bytes_read_as(file_kind, path, data_spec_where(spec, path, flag), typed=path == typed)
+    files = [(file_kind, path) for file_kind, paths in ((source.kind, source.train_files),
+                                                        (source.eval_type, source.eval_files))
+             for path in paths if os.path.isfile(path)]
+    fix = _folder_files_fix(files) if os.path.isdir(paths_text.strip()) else None
+    for file_kind, path in files:  # (said here, with the flag, before any step runs: loading said the file alone)
+        check_bytes_read_as(file_kind, path, data_spec_where(spec, path, flag), typed=path == typed, fix=fix)
     return source
+
+
+def _folder_files_fix(files):
+    """The fix of a folder's ``files`` ((kind, path) each) whose bytes say they are not read as named
+    (``read_as_command``: a Parquet train.csv, a gzip test.csv), all of them in one (``folder_fix``), where there are
+    two or more, else None (one is told its own fix): a folder whose train.csv and test.csv were both Parquet was told
+    of train.csv alone, and took a run for each."""
+    commands = [command for kind, path in files if (command := read_as_command(kind, path))]
+    return folder_fix(commands, "make its files read as what they are") if len(commands) > 1 else None
 
 
 def _source_of_paths(kind, paths_text, spec, flag):
