@@ -348,6 +348,43 @@ def test_a_compressed_unsupervised_file_of_a_type_is_said_with_its_flag_by_the_p
                 read(spec)
 
 
+@pytest.mark.parametrize("form", ["parquet", "arrow"])
+def test_an_unsupervised_binary_table_named_txt_is_told_its_fix(tmp_path, form):
+    """A Parquet (or Arrow) file named docs.txt skipped the bytes check the other kinds get and was read as text: "not
+    UTF-8 text" or, for Arrow's NULs, "UTF-16?". It is told what it is now, with the flag, by the pre-flight check and
+    the load alike: the command given, run, writes docs.parquet, which is read; given as text:PATH (typed), it is
+    told the type to give, parquet:PATH, which reads it."""
+    import subprocess
+
+    import pyarrow
+    import pyarrow.feather
+
+    from dschat.data import unsupervised
+
+    docs = tmp_path / "docs.txt"
+    frame = pd.DataFrame({"text": [f"document {i} of plain text" for i in range(8)]})
+    if form == "parquet":
+        frame.to_parquet(docs)
+    else:
+        pyarrow.feather.write_feather(pyarrow.table(frame), str(docs))
+    what = "a Parquet file" if form == "parquet" else r"an Arrow IPC \(Feather v2\) file"
+    typed = f"text:{docs}"
+    if form == "parquet":
+        for read in (unsupervised.check_unsupervised_file, unsupervised.load_unsupervised_train):
+            with pytest.raises(DatasetFormatError, match="^" + re.escape(f"--unsupervised_dataset_name {typed}: "
+                                                                         f"{docs}: ") + f"the file is {what}, not "
+                                                         rf"text: give it as parquet:{re.escape(str(docs))}$"):
+                read(typed)
+        assert unsupervised.load_unsupervised_train(f"parquet:{docs}")[0]["text"] == frame["text"].tolist()
+    for read in (unsupervised.check_unsupervised_file, unsupervised.load_unsupervised_train):
+        with pytest.raises(DatasetFormatError, match="^" + re.escape(f"--unsupervised_dataset_name {docs}: ") +
+                           f"the file is {what}, not text") as error:
+            read(str(docs))
+    subprocess.run(re.search(r"\(((?:mv ).*)\)", str(error.value)).group(1), shell=True, check=True)
+    train, column = unsupervised.load_unsupervised_train(str(tmp_path / "docs.parquet"))
+    assert train[column] == frame["text"].tolist()
+
+
 def test_a_corrupt_compressed_unsupervised_file_is_said_with_its_flag_by_the_pre_flight_check(tmp_path):
     """A docs.jsonl.gz that does not decompress (not gzip inside, or cut short) was said by train.py's pre-flight
     check (and step 3's load) by its path alone, "docs.jsonl.gz: not readable as gzip data ...", where the file's other

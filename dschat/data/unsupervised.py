@@ -188,10 +188,10 @@ def check_unsupervised_file(name, config_name=None):
 def check_local_file(name, kind, path):
     """A local ``--unsupervised_dataset_name`` file dschat cannot read is an error naming the flag: compressed
     otherwise than JSON named so (docs.jsonl.gz, read decompressed) or a .txt, which the text reader decompresses, or
-    a binary table not of its type (a Parquet file named docs.jsonl) (``check_bytes_read_as``; the error named the
-    file alone, when step 3 loaded it), or without text (``check_has_text``)."""
-    if kind != "text":
-        check_bytes_read_as(kind, path, data_spec_where(name, path, "--unsupervised_dataset_name"))
+    a binary table not of its type (a Parquet file named docs.jsonl or docs.txt: the .txt was said "UTF-16?" or "not
+    UTF-8") (``check_bytes_read_as``; the error named the file alone, when step 3 loaded it), or without text
+    (``check_has_text``). ``name`` given as TYPE:PATH is told the type to give, not the name."""
+    check_bytes_read_as(kind, path, data_spec_where(name, path, "--unsupervised_dataset_name"), typed=name != path)
     check_has_text(name, kind, path)
 
 
