@@ -246,19 +246,25 @@ def _typed_source(kind, paths_text, spec, flag):
     files = [(file_kind, path) for file_kind, paths in ((source.kind, source.train_files),
                                                         (source.eval_type, source.eval_files))
              for path in paths if os.path.isfile(path)]
-    fix = _folder_files_fix(files) if os.path.isdir(paths_text.strip()) else None
+    folder = paths_text.strip() if os.path.isdir(paths_text.strip()) else None
+    fix = folder and _folder_files_fix(files, folder if paths_text != spec else None)
     for file_kind, path in files:  # (said here, with the flag, before any step runs: loading said the file alone)
         check_bytes_read_as(file_kind, path, data_spec_where(spec, path, flag), typed=path == typed, fix=fix)
     return source
 
 
-def _folder_files_fix(files):
+def _folder_files_fix(files, typed_folder=None):
     """The fix of a folder's ``files`` ((kind, path) each) whose bytes say they are not read as named
     (``read_as_command``: a Parquet train.csv, a gzip test.csv), all of them in one (``folder_fix``), where there are
     two or more, else None (one is told its own fix): a folder whose train.csv and test.csv were both Parquet was told
-    of train.csv alone, and took a run for each."""
+    of train.csv alone, and took a run for each. A folder given as TYPE:FOLDER (``typed_folder``: its path) is to be
+    given again without the type, which its renamed files tell: csv:FOLDER again said "the folder has no
+    train.csv"."""
     commands = [command for kind, path in files if (command := read_as_command(kind, path))]
-    return folder_fix(commands, "make its files read as what they are") if len(commands) > 1 else None
+    if len(commands) < 2:
+        return None
+    again = f"give it again as {typed_folder}, its type told by its files" if typed_folder else "give the folder again"
+    return folder_fix(commands, "make its files read as what they are", again)
 
 
 def _source_of_paths(kind, paths_text, spec, flag):
