@@ -661,23 +661,35 @@ class TrainPyParser(HintingParser):
         quoted string, and which: argparse said only "unrecognized arguments: 0.01". (With -h/--help, the help.) A
         flag typed with one "-" or a pasted dash (``misdashed_flag``) ends them: it is told as argparse's other hints
         tell it (``--step3-args --enable_ema -recipe grpo`` was told to give '--enable_ema -recipe grpo' to step 3);
-        one that train.py takes by another name is told so too (``train_py_spelt``)."""
+        one that train.py takes by another name is told so too (``train_py_spelt``). Each --stepN-args given so is
+        told in the one error, a line each: the first one's alone left the user a second error to meet."""
         groups = flag_groups(self, argv)
         if any(dest == "help" for dest, _ in groups):
             return
-        for index, (dest, tokens) in enumerate(groups):
-            step = STEP_ARGS_DEST.fullmatch(dest or "")
-            if step is None:
-                continue
-            option, value, tokens_left = step_args_value(tokens)
-            left, misdashed = split_at_misdashed(tokens_left)
-            spilled = left + (step_flags_after(int(step[1]), groups[index + 1:]) if not misdashed else [])
-            # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
-            if spilled and (value is None or value.startswith("-") or len(spilled) > len(left)):
-                whole = " ".join(part for part in (value, *spilled) if part)  # (an empty string given: no " " first)
-                self.error(f"unrecognized arguments: {' '.join(spilled + misdashed)}\n  {option} takes step {step[1]}'s "
-                           f"flags as one string: give them quoted, {option} {shlex.quote(whole)}"
-                           f"{self.hint(train_py_spelt(spilled) + misdashed)}")
+        fixes = [fix for index in range(len(groups)) if (fix := unquoted_step_args(groups, index))]
+        if fixes:
+            unknown = [token for spilled, misdashed, _ in fixes for token in spilled + misdashed]
+            self.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(
+                f"\n  {quoted}{self.hint(train_py_spelt(spilled) + misdashed)}" for spilled, misdashed, quoted in fixes))
+
+
+def unquoted_step_args(groups, index):
+    """Where ``flag_groups``' group ``index`` is a --stepN-args given its step's flags unquoted: (the tokens left over
+    after its string, those from a flag typed with one "-" or a pasted dash on, and the quoted form to give), else
+    None."""
+    dest, tokens = groups[index]
+    step = STEP_ARGS_DEST.fullmatch(dest or "")
+    if step is None:
+        return None
+    option, value, tokens_left = step_args_value(tokens)
+    left, misdashed = split_at_misdashed(tokens_left)
+    spilled = left + (step_flags_after(int(step[1]), groups[index + 1:]) if not misdashed else [])
+    # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
+    if not spilled or not (value is None or value.startswith("-") or len(spilled) > len(left)):
+        return None
+    whole = " ".join(part for part in (value, *spilled) if part)  # (an empty string given: no " " first)
+    return spilled, misdashed, (f"{option} takes step {step[1]}'s flags as one string: give them quoted, "
+                                f"{option} {shlex.quote(whole)}")
 
 
 # train.py's --stepN-args options, by dest: step N's flags as one string.

@@ -692,6 +692,29 @@ def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
         assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {unknown}\n  {said}\n"), argv
 
 
+def test_train_py_says_to_quote_each_steps_flags_given_unquoted(capsys):
+    """Two steps' flags given unquoted (``--step1-args --lora_dim 2 --step3-args --entropy_coef 0.01``) were told of
+    step 1's alone: the user quoted them and met a second error for step 3's. The one error gives each quoted form, a
+    line each, and the command line they make parses to those strings."""
+    for argv, unknown, strings in (
+            (["--step1-args", "--lora_dim", "2", "--step3-args", "--entropy_coef", "0.01"], "2 0.01",
+             {"step1_args": "--lora_dim 2", "step3_args": "--entropy_coef 0.01"}),
+            # (step 2's flags after its string, and step 3's with a flag train.py spells otherwise: its line after)
+            (["--step2-args=--lora_dim 2", "--print_loss", "--step3-args", "--enable_ema", "--output_dir", "x"],
+             "--print_loss --output_dir x",
+             {"step2_args": "--lora_dim 2 --print_loss", "step3_args": "--enable_ema --output_dir x"})):
+        with pytest.raises(SystemExit):
+            _train_py_args(*argv)
+        err = capsys.readouterr().err
+        assert f"error: unrecognized arguments: {unknown}\n" in err, argv
+        advised = re.findall(r"give them quoted, (.*)", err)
+        assert [shlex.split(fix)[0] for fix in advised] == [f"--{dest.replace('_', '-')}" for dest in strings], err
+        if "--output_dir" in argv:
+            assert err.endswith(f"{advised[-1]}\n  --output_dir: train.py's --output-dir\n"), err
+        parsed = _train_py_args(*(token for fix in advised for token in shlex.split(fix)))
+        assert {dest: getattr(parsed, dest) for dest in strings} == strings, argv
+
+
 def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
     """train.py said nothing more for a misspelt step flag (``--entropy_coeff``) than that it is unrecognized, where
     the step's own parser names the flag meant (``close_names``): now the step flags it may mean and where they go, in
