@@ -1204,6 +1204,23 @@ def test_a_typed_folders_binary_tables_are_told_to_give_the_folder_again_without
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
 
 
+def test_a_typed_folders_one_binary_table_is_told_to_give_the_folder_again_without_its_type(tmp_path):
+    """csv:FOLDER whose train.csv alone is Parquet was told "name it so (mv train.csv train.parquet)": given again as
+    csv:FOLDER, "the folder has no train.csv". Its one rename is told with the folder given untyped, which reads."""
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pd.DataFrame(RECORDS[:15]).to_parquet(folder / "train.csv")
+    write_records(RECORDS[15:], folder / "test.csv", "csv")
+    with pytest.raises(DatasetFormatError, match=rf"\) and give it again as {re.escape(str(folder))}, its type told "
+                                                 r"by its files$") as error:
+        raw(f"csv:{folder}", tmp_path)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+
+
 @pytest.mark.parametrize("column", ["PAR1", "FEA1", "ARROW1"])
 def test_a_csv_whose_first_column_is_named_as_a_binary_tables_magic_is_read_as_csv(tmp_path, column):
     """A CSV whose header begins with a binary table's magic (a column named PAR1 or FEA1: "feature 1") was refused

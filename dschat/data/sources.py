@@ -33,9 +33,10 @@ from .base import splits_said
 from .digests import all_files, file_digest_and_stamp
 from .errors import DatasetFormatError
 from .fields import EVAL_SPLIT_NAMES, EXTENSION_TYPES, LOCAL_TYPES, files_where
-from .reading import (COMPRESSED_EXTENSIONS, PACKED_JSON, _is_saved_dataset, binary_table_error, binary_table_of,
-                      check_bytes_read_as, check_folder_not_compressed, data_file_extensions, folder_fix,
-                      held_compression, load_split_files, misnamed_compressed_error, read_as_command)
+from .reading import (COMPRESSED_EXTENSIONS, PACKED_JSON, BinaryTable, _is_saved_dataset, binary_table_error,
+                      binary_table_of, bytes_not_read_as, check_bytes_read_as, check_folder_not_compressed,
+                      data_file_extensions, folder_fix, held_compression, load_split_files,
+                      misnamed_compressed_error, read_as_command)
 
 
 TINY_DATA_DIR = Path(__file__).resolve().parents[1] / "tiny" / "data"
@@ -259,12 +260,19 @@ def _folder_files_fix(files, typed_folder=None):
     two or more, else None (one is told its own fix): a folder whose train.csv and test.csv were both Parquet was told
     of train.csv alone, and took a run for each. A folder given as TYPE:FOLDER (``typed_folder``: its path) is to be
     given again without the type, which its renamed files tell: csv:FOLDER again said "the folder has no
-    train.csv"."""
+    train.csv"; so too where one file alone is renamed to another type (``_renames_a_type``: a Parquet train.csv)."""
     commands = [command for kind, path in files if (command := read_as_command(kind, path))]
-    if len(commands) < 2:
+    if len(commands) < 2 and not (typed_folder and _renames_a_type(files)):
         return None
     again = f"give it again as {typed_folder}, its type told by its files" if typed_folder else "give the folder again"
     return folder_fix(commands, "make its files read as what they are", again)
+
+
+def _renames_a_type(files):
+    """Whether a fix of ``files`` ((kind, path) each) renames one to another data type: a binary table read as
+    another kind (``bytes_not_read_as``: a Parquet train.csv, to train.parquet). A compressed one keeps its name's
+    type (train.csv of gzip: gunzip writes train.csv)."""
+    return any(isinstance(bytes_not_read_as(kind, path), BinaryTable) for kind, path in files)
 
 
 def _source_of_paths(kind, paths_text, spec, flag):
