@@ -13,6 +13,7 @@ from dschat.data import (HUB_DATASETS, AnthropicHhrlhfDataset, DahoasFullhhrlhfD
                          SkipRecord, StanfordnlpSHPDataset, YitingxieRlhfrewarddatasetsDataset, get_raw_dataset,
                          parse_field_map)
 from dschat.data.errors import RecordError
+from dschat.data.reading import COMPRESSIONS
 from dschat.errors import MissingInputError, UsageError
 from helpers import hub_cache_snapshot
 
@@ -1216,6 +1217,60 @@ def test_a_typed_folders_one_binary_table_is_told_to_give_the_folder_again_witho
     with pytest.raises(DatasetFormatError, match=rf"\) and give it again as {re.escape(str(folder))}, its type told "
                                                  r"by its files$") as error:
         raw(f"csv:{folder}", tmp_path)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    adapter = raw(str(folder), tmp_path)
+    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+
+
+@pytest.mark.parametrize("tool,module", [("gzip", "gzip"), ("bzip2", "bz2"), ("xz", "lzma")])
+@pytest.mark.parametrize("given", ["file", "folder"])
+def test_a_compressed_parquet_file_named_as_json_is_told_what_it_is_and_its_fix(tmp_path, tool, module, given):
+    """A Parquet file compressed with gzip and named train.jsonl.gz was "line 1: not UTF-8 text": only the compressed
+    bytes were looked at. Its decompressed first bytes tell it, with the commands that decompress it to
+    train.parquet, which, run, make the file (or its folder) read."""
+    import importlib
+    import io
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    parquet = io.BytesIO()
+    pd.DataFrame(RECORDS[:15]).to_parquet(parquet)
+    packed = folder / f"train.jsonl{COMPRESSIONS[tool].extension}"
+    packed.write_bytes(importlib.import_module(module).compress(parquet.getvalue()))
+    write_records(RECORDS[15:], folder / "test.jsonl", "jsonl")
+    spec = str(folder if given == "folder" else packed)
+    with pytest.raises(DatasetFormatError, match=rf"{re.escape(str(packed))}: the file is a Parquet file compressed "
+                                                 rf"with {tool}, not JSON: decompress it to train\.parquet \(mv .*\), "
+                                                 r"and it is read as parquet$") as error:
+        raw(spec, tmp_path)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    if given == "folder":
+        adapter = raw(spec, tmp_path)
+        assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+    else:
+        adapter = raw(str(folder / "train.parquet"), tmp_path)
+        data = [*adapter.get_train_data(), *adapter.get_eval_data()]
+        assert sorted(as_tuples(adapter, data)) == sorted(expected_tuples(RECORDS[:15]))
+
+
+def test_a_compressed_arrow_file_named_as_json_is_told_to_be_decompressed_and_written_as_parquet(tmp_path):
+    """An Arrow file compressed with gzip and named train.jsonl.gz, which dschat does not read decompressed either, is
+    told the commands that decompress it to train.arrow and write it as Parquet, which, run, make its folder read."""
+    import gzip
+    import io
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    arrow = io.BytesIO()
+    pd.DataFrame(RECORDS[:15]).to_feather(arrow)
+    (folder / "train.jsonl.gz").write_bytes(gzip.compress(arrow.getvalue()))
+    write_records(RECORDS[15:], folder / "test.jsonl", "jsonl")
+    with pytest.raises(DatasetFormatError, match=r"train\.jsonl\.gz: the file is an Arrow IPC \(Feather v2\) file "
+                                                 r"compressed with gzip, not JSON, and dschat does not read it: "
+                                                 r"decompress it to train\.arrow and write it as Parquet") as error:
+        raw(str(folder), tmp_path)
     subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
     adapter = raw(str(folder), tmp_path)
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])

@@ -203,10 +203,14 @@ def text_encoding(path, head=None):
     """"utf-8-sig" for a file whose text starts with a UTF-8 byte-order mark (Windows editors write one), else
     "utf-8": the mark is not part of the first record. (A compressed file's text: ``open_data_file``.) ``head``: the
     file's first bytes where read already (``HashedFile.head``): a file not named compressed, its text's. Text of
-    another encoding told by them is an error (``check_not_utf16``)."""
-    if head is None or data_file_extensions(path)[1]:
+    another encoding told by them is an error (``check_not_utf16``), as is a packed JSON file whose decompressed ones
+    are a binary table's (``check_not_a_packed_binary_table``: a Parquet file gzipped as train.jsonl.gz)."""
+    packed = data_file_extensions(path)[1]
+    if head is None or packed:
         with open_data_file(path) as f:
             head = f.read(HEAD_BYTES)
+    if packed:
+        check_not_a_packed_binary_table(path, head)
     check_not_utf16(path, head)
     return "utf-8-sig" if head.startswith(b"\xef\xbb\xbf") else "utf-8"
 
@@ -679,6 +683,36 @@ def binary_table_command(path, table):
                 f"pyarrow.parquet.write_table({table.read.format(path=repr(named))}, {parquet!r})")
         commands.append(f"python -c {shlex.quote(code)}")
     return " && ".join(commands)
+
+
+def check_not_a_packed_binary_table(path, head):
+    """A JSON file read decompressed (``open_data_file``: train.jsonl.gz) whose decompressed first bytes (``head``)
+    are a binary table's magic (``told_by_magic``) is an error saying what it is, with the commands that make it read
+    (``packed_binary_table_command``): read as text, a Parquet file compressed with gzip was "line 1: not UTF-8 text".
+    Its first bytes alone tell it (its last, which ``is_binary_table`` reads, are the compressed stream's): no JSON
+    text starts with them. A text file's may (docs.txt.gz beginning "PAR1"), and is not told so."""
+    name = told_by_magic(BINARY_TABLES, head)
+    if name is None or EXTENSION_TYPES.get(data_file_extensions(path)[0].lower()) not in ("json", "jsonl"):
+        return
+    table, tool = BINARY_TABLES[name], COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()]
+    plain = os.path.basename(binary_table_path(path, table))
+    said = f"{path}: the file is {table.what} compressed with {tool}, not JSON"
+    command = packed_binary_table_command(path, tool, table)
+    if table.kind is not None:
+        raise DatasetFormatError(f"{said}: decompress it to {plain} ({command}), and it is read as {table.kind}")
+    raise DatasetFormatError(f"{said}, and dschat does not read it: {table.advice}decompress it to {plain} and write "
+                             f"it as Parquet, which it reads ({command})")
+
+
+def packed_binary_table_command(path, tool, table):
+    """The shell command that makes the file at ``path``, the binary ``table`` compressed with ``tool`` (a Parquet
+    train.jsonl.gz), read: named with the table's extension and the tool's (train.parquet.gz: gunzip refuses a name
+    without its extension, and would write train.jsonl), decompressed (``decompress_command``: train.parquet), and,
+    for one dschat does not read, written as Parquet (``binary_table_command``)."""
+    plain = binary_table_path(path, table)
+    packed = plain + COMPRESSIONS[tool].extension
+    commands = [rename_command(path, packed), decompress_command(packed, tool), binary_table_command(plain, table)]
+    return " && ".join(command for command in commands if command)
 
 
 # A JSON or JSON Lines file's check that passed (``checked_json``) is kept by the file's content (its sha256), in
