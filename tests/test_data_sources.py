@@ -1188,32 +1188,20 @@ def test_a_folders_binary_tables_named_csv_are_all_told_their_fix_in_one_run(tmp
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
 
 
-def test_a_typed_folders_binary_tables_are_told_to_give_the_folder_again_without_its_type(tmp_path):
-    """csv:FOLDER of a Parquet train.csv and test.csv was told the renames "and give the folder again": given again
-    as csv:FOLDER, "the folder has no train.csv". It is told to give the folder without the type, which then reads."""
+@pytest.mark.parametrize("test_as", ["parquet", "csv"])
+def test_a_typed_folders_binary_tables_are_told_to_give_the_folder_again_without_its_type(tmp_path, test_as):
+    """csv:FOLDER of a Parquet train.csv (and test.csv, or a real CSV test.csv) was told the renames "and give the
+    folder again", or its one rename "name it so (mv train.csv train.parquet)": given again as csv:FOLDER, "the folder
+    has no train.csv". It is told to give the folder without the type, which then reads."""
     import subprocess
 
     folder = tmp_path / "data"
     folder.mkdir()
     pd.DataFrame(RECORDS[:15]).to_parquet(folder / "train.csv")
-    pd.DataFrame(RECORDS[15:]).to_parquet(folder / "test.csv")
-    with pytest.raises(DatasetFormatError, match=rf"\) and give it again as {re.escape(str(folder))}, its type told "
-                                                 r"by its files$") as error:
-        raw(f"csv:{folder}", tmp_path)
-    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
-    adapter = raw(str(folder), tmp_path)
-    assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
-
-
-def test_a_typed_folders_one_binary_table_is_told_to_give_the_folder_again_without_its_type(tmp_path):
-    """csv:FOLDER whose train.csv alone is Parquet was told "name it so (mv train.csv train.parquet)": given again as
-    csv:FOLDER, "the folder has no train.csv". Its one rename is told with the folder given untyped, which reads."""
-    import subprocess
-
-    folder = tmp_path / "data"
-    folder.mkdir()
-    pd.DataFrame(RECORDS[:15]).to_parquet(folder / "train.csv")
-    write_records(RECORDS[15:], folder / "test.csv", "csv")
+    if test_as == "parquet":
+        pd.DataFrame(RECORDS[15:]).to_parquet(folder / "test.csv")
+    else:
+        write_records(RECORDS[15:], folder / "test.csv", "csv")
     with pytest.raises(DatasetFormatError, match=rf"\) and give it again as {re.escape(str(folder))}, its type told "
                                                  r"by its files$") as error:
         raw(f"csv:{folder}", tmp_path)
