@@ -900,7 +900,7 @@ def load_file(kind, path):
             raise not_utf8_error(path) from err  # (pandas names the byte's offset, not its line)
         raise DatasetFormatError(f"{path}: could not be read as {kind}: {_error_text(err)}") from err
     if builder == "json":
-        data = _as_written(kind, path, data, key_orders)
+        data = _as_written(kind, path, data, key_orders, hashed)
     if kind == "csv":
         data = _with_lf_line_ends(data)
     if record_lines is not None and len(record_lines) != len(data):  # (read otherwise than counted: say record numbers)
@@ -1166,10 +1166,10 @@ def _json_records(kind, path):
     return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
-def _as_written(kind, path, data, key_orders):
+def _as_written(kind, path, data, key_orders, hashed):
     """A JSON or JSON Lines file's ``data`` (datasets') with its columns of mixed types and those whose objects datasets
     reordered (``key_orders``, the file's as it was checked: ``_KeyOrders.reordered_columns``) as the file writes them
-    (``_exact_json_dataset``)."""
+    (``_exact_json_dataset``); ``hashed``: the file's HashedFile, which ``data`` was loaded under."""
     mixed = any(_has_json_feature(feature) for feature in data.features.values())
     structs = [name for name, feature in data.features.items() if _holds_struct(feature)]
     if not mixed and not (structs and _json_type_available()):  # (a datasets without Json: as Arrow's, said there)
@@ -1179,7 +1179,7 @@ def _as_written(kind, path, data, key_orders):
     reordered = key_orders.reordered_columns(data.features, structs)
     if not mixed and not reordered:
         return data
-    return _exact_json_dataset(kind, path, data.features, also=reordered)
+    return _exact_json_dataset(kind, path, data.features, also=reordered, hashed=hashed)
 
 
 def _holds_struct(feature):
@@ -1268,9 +1268,10 @@ def _struct_keys_among(feature, keys):
     return [key for key in feature if key in keys]
 
 
-def _exact_json_dataset(kind, path, features, also=()):
+def _exact_json_dataset(kind, path, features, also=(), hashed=None):
     """The file's records with every value exactly as written, for a file with mixed-type columns (and the columns
-    ``also``, of objects datasets reordered); ``features``: datasets' own for the file (its columns, in its order).
+    ``also``, of objects datasets reordered); ``features``: datasets' own for the file (its columns, in its order);
+    ``hashed``: the file's HashedFile where its load has it (else found here).
 
     For a column whose values have different types in different records (e.g. a string in most records and
     a number in one), datasets infers a ``Json`` feature, which stores a string that is itself valid JSON
@@ -1290,7 +1291,7 @@ def _exact_json_dataset(kind, path, features, also=()):
     from datasets import Dataset
 
     exact = _exact_json_features(features, also)
-    hashed = file_digest_and_stamp(path)
+    hashed = hashed or file_digest_and_stamp(path)  # (a load's own, where given: the file not opened again)
     rows = functools.partial(_exact_json_rows, kind, path, exact, hashed.stamp)
     fingerprint = _exact_json_rows_fingerprint(kind, path, hashed.sha256, exact)
     try:
