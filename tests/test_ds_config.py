@@ -168,6 +168,40 @@ def test_ranks_gathering_submodule_by_submodule_refused_only_where_a_family_call
     check_ranks_gather_alike(model, 2)
 
 
+def test_a_refusal_of_ranks_gathering_otherwise_is_told_by_its_run_and_the_model():
+    """``refuse_ranks_gathering_otherwise`` took 7 arguments, three of them the wording of its three callers' runs; it
+    takes the run (a ``GatheringRun``: the hybrid engine unpinned, HF generate, training or scoring), the family, the
+    ranks, the --zero3_fetch given and the model's name. Each run's message, word for word as it was."""
+    from dschat.models.layers import (HF_GENERATION, TRAINING_OR_SCORING, UNPINNED_GENERATION,
+                                      refuse_ranks_gathering_otherwise)
+
+    def said(*args):
+        with pytest.raises(UsageError) as refused:
+            refuse_ranks_gathering_otherwise(*args)
+        return str(refused.value)
+
+    gemma = ("each forward gathering the actor's (recurrent_gemma) weights submodule by submodule (--zero3_fetch "
+             "module), and a prompt of one token takes its recurrent blocks' decode path, which reads conv_1d's weight "
+             "without calling conv_1d, where a longer prompt calls it: ranks generating from prompts of other lengths "
+             "would gather other weights (a hang). Use --zero3_fetch layer (the default: each decoder layer gathered "
+             "whole, whatever it calls inside)")
+    assert said(UNPINNED_GENERATION, "recurrent_gemma", 2) == (
+        "the hybrid engine generating without pinned parameters (--unpin_actor_parameters, or "
+        "hybrid_engine.pin_parameters false) under ZeRO-3 on 2 ranks, " + gemma + ", or keep the actor's parameters "
+        "pinned (no --unpin_actor_parameters: hybrid_engine.pin_parameters true)")
+    assert said(HF_GENERATION, "recurrent_gemma", 2) == \
+        "HF generate (--no-enable_hybrid_engine) under ZeRO-3 on 2 ranks, " + gemma
+    assert said(TRAINING_OR_SCORING, "deepseek_v4", 3, "layer", "--model_name_or_path's") == (
+        "a model trained or scored under ZeRO-3 on 3 ranks, each forward gathering --model_name_or_path's "
+        "(deepseek_v4) weights submodule by submodule (its decoder layers could not be made --zero3_fetch layer "
+        "units: mixed or miscounted blocks, or layerdrop), and its compressed attention calls its compressors' norms "
+        "only in a forward that fills a window of tokens (4 and 128 by default), which a longer prompt or batch "
+        "fills first: ranks forwarding batches of other widths (each rank pads its own) would gather other weights "
+        "(a hang). Run it at ZeRO stage 2 or below, or on one rank")
+    refuse_ranks_gathering_otherwise(HF_GENERATION, "recurrent_gemma", 1)  # (one rank: nothing to differ)
+    refuse_ranks_gathering_otherwise(TRAINING_OR_SCORING, "llama", 2)  # (its calls do not vary)
+
+
 def test_a_deepseek_v4_engine_gathering_submodule_by_submodule_on_several_ranks_is_refused_in_every_step(monkeypatch):
     """DeepSeek-V4 calls its compressors' norms only in a forward that fills a compression window: trained under ZeRO-3
     fetched submodule by submodule on 2 CPU ranks, batches 3 and 20 tokens wide, gloo aborted in the first forward

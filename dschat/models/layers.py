@@ -1,6 +1,8 @@
 """Where a decoder-only model keeps its repeated blocks, found without per-family tables, and how DeepSpeed ZeRO-3
 can fetch each of them as one unit; the families whose generation on several ranks needs such units
 (``CALLS_VARY_BY_LENGTH``), and those whose every forward does (``EVERY_FORWARD_VARIES``)."""
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -114,39 +116,51 @@ GATHERED_BY = {
 }
 
 
-def refuse_ranks_gathering_otherwise(family, world_size, generating, other_way="",
-                                     ranks_differ="generating from prompts of other lengths", whose="the actor's",
-                                     zero3_fetch="module"):
-    """Refuse, naming the way out, ``generating`` (how the actor generates, every forward a ZeRO-3 gather submodule by
-    submodule) on ``world_size`` ranks where ``family``'s layers call other submodules by length
-    (``CALLS_VARY_BY_LENGTH``): ranks ``ranks_differ`` would gather other weights. ``other_way``: another way out than
-    the one ``GATHERED_BY`` names, said after it; ``whose``: the model's name in the message; ``zero3_fetch``: the
-    --zero3_fetch given (``layer``: its layers were not made units)."""
+@dataclasses.dataclass(frozen=True)
+class GatheringRun:
+    """What runs with each forward a ZeRO-3 gather submodule by submodule, as ``refuse_ranks_gathering_otherwise``
+    says it: ``what`` runs, how its ranks' forwards differ (``ranks_differ``), and a way out besides the one
+    ``GATHERED_BY`` names (``other_way``, said after it)."""
+    what: str
+    ranks_differ: str = "generating from prompts of other lengths"
+    other_way: str = ""
+
+
+UNPINNED_GENERATION = GatheringRun(
+    "the hybrid engine generating without pinned parameters (--unpin_actor_parameters, or hybrid_engine.pin_parameters "
+    "false)", other_way=", or keep the actor's parameters pinned (no --unpin_actor_parameters: "
+    "hybrid_engine.pin_parameters true)")
+HF_GENERATION = GatheringRun("HF generate (--no-enable_hybrid_engine)")
+TRAINING_OR_SCORING = GatheringRun("a model trained or scored",
+                                   ranks_differ="forwarding batches of other widths (each rank pads its own)")
+
+
+def refuse_ranks_gathering_otherwise(run, family, world_size, zero3_fetch="module", whose="the actor's"):
+    """Refuse, naming the way out, ``run`` (a ``GatheringRun``: every forward a ZeRO-3 gather submodule by submodule)
+    on ``world_size`` ranks where ``family``'s layers call other submodules by length (``CALLS_VARY_BY_LENGTH``): its
+    ranks would gather other weights. ``zero3_fetch``: the --zero3_fetch given (``layer``: its layers were not made
+    units); ``whose``: the model's name in the message."""
     if world_size < 2 or family not in CALLS_VARY_BY_LENGTH:
         return
     gathered_by, way_out = GATHERED_BY[zero3_fetch]
-    raise UsageError(f"{generating} under ZeRO-3 on {world_size} ranks, each forward gathering {whose} "
+    raise UsageError(f"{run.what} under ZeRO-3 on {world_size} ranks, each forward gathering {whose} "
                      f"({family}) weights submodule by submodule {gathered_by}, and "
-                     f"{CALLS_VARY_BY_LENGTH[family]}: ranks {ranks_differ} would gather other weights (a hang). "
-                     f"{way_out}{other_way}")
+                     f"{CALLS_VARY_BY_LENGTH[family]}: ranks {run.ranks_differ} would gather other weights (a hang). "
+                     f"{way_out}{run.other_way}")
 
 
 def refuse_unpinned_generation(family, world_size, zero3_fetch="module"):
     """``refuse_ranks_gathering_otherwise`` for the hybrid engine generating without pinned parameters (every
     forward a gather), with pinning as the other way out: the check before loading
     (``rlhf.engine.check_generation_gathers_alike``) and the hybrid engine's own (``check_ranks_gather_alike``)."""
-    refuse_ranks_gathering_otherwise(
-        family, world_size, "the hybrid engine generating without pinned parameters (--unpin_actor_parameters, or "
-        "hybrid_engine.pin_parameters false)", ", or keep the actor's parameters pinned (no --unpin_actor_parameters: "
-        "hybrid_engine.pin_parameters true)", zero3_fetch=zero3_fetch)
+    refuse_ranks_gathering_otherwise(UNPINNED_GENERATION, family, world_size, zero3_fetch)
 
 
 def refuse_hf_generation(family, world_size, zero3_fetch="module"):
     """``refuse_ranks_gathering_otherwise`` for step 3's actor generating with HF generate (no hybrid engine: every
     forward a gather): the check before loading (``rlhf.engine.check_generation_gathers_alike``) and the loaded
     actor's (``check_ranks_gather_alike``, from ``DeepSpeedRLHFEngine._init_actor``)."""
-    refuse_ranks_gathering_otherwise(family, world_size, "HF generate (--no-enable_hybrid_engine)",
-                                     zero3_fetch=zero3_fetch)
+    refuse_ranks_gathering_otherwise(HF_GENERATION, family, world_size, zero3_fetch)
 
 
 def record_zero3_fetch(model, zero3_fetch):
@@ -176,9 +190,7 @@ def refuse_forwards_gathering_otherwise(family, world_size, whose="its", zero3_f
     training and scoring forwards too (each rank pads its batches to their own width). Called from a config before
     any weight loads (``check_config_forwards_alike``) and from the model itself (``check_ranks_forward_alike``)."""
     if family in EVERY_FORWARD_VARIES:
-        refuse_ranks_gathering_otherwise(family, world_size, "a model trained or scored", ranks_differ="forwarding "
-                                         "batches of other widths (each rank pads its own)", whose=whose,
-                                         zero3_fetch=zero3_fetch)
+        refuse_ranks_gathering_otherwise(TRAINING_OR_SCORING, family, world_size, zero3_fetch, whose)
 
 
 def check_config_forwards_alike(read_config, zero_stage, zero3_fetch, world_size, whose):
