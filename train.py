@@ -37,12 +37,11 @@ def zero_stage(text):
     return int(text)
 
 
-STEP_ARGS = ("--step1-args", "--step2-args", "--step3-args")
-
-
 def step_args_as_values(argv):
     """``--step1-args --check_grad_overflow`` as ``--step1-args=--check_grad_overflow``: argparse would take a lone
     flag after ``--stepN-args`` for an option of train.py's and say the string is missing."""
+    from dschat.args import STEP_ARGS
+
     argv = list(sys.argv[1:] if argv is None else argv)
     out = []
     i = 0
@@ -57,7 +56,7 @@ def step_args_as_values(argv):
 
 
 def parse_args(argv=None):
-    from dschat.args import TrainPyParser, add_hidden_local_rank, repeated_flags
+    from dschat.args import STEP_ARGS, TrainPyParser, add_hidden_local_rank, repeated_flags
 
     # whole flag names only, as in the step scripts: a prefix (--output for --output-dir) is an error, not a guess
     p = TrainPyParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -109,8 +108,8 @@ def parse_args(argv=None):
                         "skipped, the interrupted one resumes from its last checkpoint (steps save them with "
                         "--save_interval N in their --stepN-args), the later ones run.")
     p.add_argument("--hostfile", help="multi_node: the deepspeed launcher's hostfile (default /job/hostfile).")
-    for step in (1, 2, 3):
-        p.add_argument(f"--step{step}-args", default="", help=f"Extra flags for step {step}, as one string.")
+    for option, step in STEP_ARGS.items():
+        p.add_argument(option, default="", help=f"Extra flags for step {step}, as one string.")
     add_hidden_local_rank(p)
     argv = step_args_as_values(argv)
     repeated = repeated_flags(p, argv)

@@ -677,23 +677,23 @@ def unquoted_step_args(groups, index):
     """Where ``flag_groups``' group ``index`` is a --stepN-args given its step's flags unquoted: (the tokens left over
     after its string, those from a flag typed with one "-" or a pasted dash on, and the quoted form to give), else
     None."""
-    dest, tokens = groups[index]
-    step = STEP_ARGS_DEST.fullmatch(dest or "")
+    option, value, tokens_left = step_args_value(groups[index][1])
+    step = STEP_ARGS.get(option)
     if step is None:
         return None
-    option, value, tokens_left = step_args_value(tokens)
     left, misdashed = split_at_misdashed(tokens_left)
-    spilled = left + (step_flags_after(int(step[1]), groups[index + 1:]) if not misdashed else [])
+    spilled = left + (step_flags_after(step, groups[index + 1:]) if not misdashed else [])
     # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
     if not spilled or not (value is None or value.startswith("-") or len(spilled) > len(left)):
         return None
     whole = " ".join(part for part in (value, *spilled) if part)  # (an empty string given: no " " first)
-    return spilled, misdashed, (f"{option} takes step {step[1]}'s flags as one string: give them quoted, "
+    return spilled, misdashed, (f"{option} takes step {step}'s flags as one string: give them quoted, "
                                 f"{option} {shlex.quote(whole)}")
 
 
-# train.py's --stepN-args options, by dest: step N's flags as one string.
-STEP_ARGS_DEST = re.compile(r"step(\d)_args")
+# train.py's --stepN-args options, each step N's flags as one string: option -> N. The one table of them: train.py
+# adds them and joins a lone flag after one to it (``step_args_as_values``); ``unquoted_step_args`` reads them.
+STEP_ARGS = {f"--step{step}-args": step for step in (1, 2, 3)}
 
 
 def step_args_value(tokens):

@@ -692,6 +692,25 @@ def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
         assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: {unknown}\n  {said}\n"), argv
 
 
+def test_train_py_step_args_options_come_from_one_table(capsys):
+    """train.py's --stepN-args options were written down twice more: train.py's own tuple (for joining a lone flag
+    after one to it) and args.py's pattern of their dests (for telling their flags given unquoted). ``args.STEP_ARGS``
+    is the one table: train.py adds each option it names, joins a lone flag to each, and each is told by its step."""
+    from dschat.args import STEP_ARGS
+
+    assert list(STEP_ARGS.items()) == [("--step1-args", 1), ("--step2-args", 2), ("--step3-args", 3)]
+    with pytest.raises(SystemExit):
+        _train_py_args("--help")
+    shown = capsys.readouterr().out
+    for option, step in STEP_ARGS.items():
+        assert f"{option} {option[2:].upper().replace('-', '_')}" in shown  # (argparse's metavar: STEP1_ARGS)
+        assert getattr(_train_py_args(option, "--print_answers"), f"step{step}_args") == "--print_answers"
+        with pytest.raises(SystemExit):
+            _train_py_args(option, "--lora_dim", "2")
+        assert capsys.readouterr().err.endswith(f"error: unrecognized arguments: 2\n  {option} takes step {step}'s "
+                                                f"flags as one string: give them quoted, {option} '--lora_dim 2'\n")
+
+
 def test_train_py_says_to_quote_each_steps_flags_given_unquoted(capsys):
     """Two steps' flags given unquoted (``--step1-args --lora_dim 2 --step3-args --entropy_coef 0.01``) were told of
     step 1's alone: the user quoted them and met a second error for step 3's. The one error gives each quoted form, a
