@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # docs whose commands run dschat's own scripts (docs/benchmarks.md and docs/scaling.md quote bench/*.py's)
-DOCS = ("README.md", "docs/tiny_default.md", "docs/rank_change_resume.md")
+DOCS = ("README.md", "docs/models.md", "docs/tiny_default.md", "docs/rank_change_resume.md")
 # other programs' flags the docs quote (pytest-xdist's, hf download's, the deepspeed launcher's) and placeholders
 NOT_DSCHATS = {"--dist", "--maxprocesses", "--repo-type", "--local-dir", "--include", "--num_gpus", "--FLAG",
                "--stepN-args"}
