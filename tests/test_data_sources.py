@@ -3918,6 +3918,25 @@ def test_a_files_mixed_type_columns_are_not_parsed_again_for_the_same_content_an
     assert [meta_in_a_new_process() for _ in range(2)] == [(rewritten, 1), (rewritten, 0)]
 
 
+def test_a_files_mixed_type_columns_alone_are_kept_beside_its_datasets_load(tmp_path):
+    """The records rebuilt for a mixed-type column (``_exact_json_dataset``) were kept whole in datasets' cache, every
+    column of them, beside datasets' own Arrow cache of the file: a mixed-type file was kept twice, neither copy
+    pruned. The rebuilt columns alone are kept now; the others are datasets' load's, as written."""
+    import glob
+
+    import datasets
+    import pyarrow
+
+    from dschat.data import reading
+
+    records = _mixed_type_records()
+    path = write_records(records, tmp_path / "train.jsonl", "jsonl")
+    data, _ = reading.load_file("jsonl", path)
+    assert data.to_list() == [{name: record[name] for name in data.column_names} for record in records]
+    kept = glob.glob(os.path.join(datasets.config.HF_DATASETS_CACHE, "generator", "*", "*", "*.arrow"))
+    assert [pyarrow.ipc.open_stream(copy).schema.names for copy in kept] == [["meta"]]
+
+
 def test_a_shards_mixed_type_columns_are_not_parsed_again_for_the_same_content(tmp_path, monkeypatch):
     """A shard whose column is text alone, beside a shard where it has mixed types, is rebuilt as that one is
     (``_json_columns_alike``), from its parse: kept as a file's, by its content."""

@@ -1179,7 +1179,7 @@ def _as_written(kind, path, data, key_orders, hashed):
     reordered = key_orders.reordered_columns(data.features, structs)
     if not mixed and not reordered:
         return data
-    return _exact_json_dataset(kind, path, data.features, also=reordered, hashed=hashed)
+    return _exact_json_dataset(kind, path, data, also=reordered, hashed=hashed)
 
 
 def _holds_struct(feature):
@@ -1268,10 +1268,10 @@ def _struct_keys_among(feature, keys):
     return [key for key in feature if key in keys]
 
 
-def _exact_json_dataset(kind, path, features, also=(), hashed=None):
+def _exact_json_dataset(kind, path, data, also=(), hashed=None):
     """The file's records with every value exactly as written, for a file with mixed-type columns (and the columns
-    ``also``, of objects datasets reordered); ``features``: datasets' own for the file (its columns, in its order);
-    ``hashed``: the file's HashedFile where its load has it (else found here).
+    ``also``, of objects datasets reordered); ``data``: datasets' load of the file (its features: its columns, in its
+    order); ``hashed``: the file's HashedFile where its load has it (else found here).
 
     For a column whose values have different types in different records (e.g. a string in most records and
     a number in one), datasets infers a ``Json`` feature, which stores a string that is itself valid JSON
@@ -1279,30 +1279,44 @@ def _exact_json_dataset(kind, path, features, also=(), hashed=None):
     from the json module's records, each value JSON-encoded, so strings stay strings and a bad value is
     reported at its own record.
 
-    The records rebuilt are kept in datasets' cache (``Dataset.from_generator``, memory-mapped) under a key of the
-    file's content, how it is read and dschat.data's code (``_exact_json_cache_key``): the parse and the build, 5-9 s
-    of each 7.5-14 s warm load of 100 MB of JSON Lines on 2 busy CPU cores (``bench/data_warm_load.py``), were made by
-    every load, though the file's check and its datasets load were kept by its content. A file written while it is
-    parsed keeps nothing (``_WrittenWhileParsed``). The dataset's own fingerprint is its rows' alone
+    The columns rebuilt, and only they, are kept in datasets' cache (``Dataset.from_generator``, memory-mapped) under
+    a key of the file's content, how it is read and dschat.data's code (``_exact_json_cache_key``), the others taken
+    from datasets' load (``data``, kept in its cache already): the parse and the build, 5-9 s of each 7.5-14 s warm
+    load of 100 MB of JSON Lines on 2 busy CPU cores (``bench/data_warm_load.py``), were made by every load, though
+    the file's check and its datasets load were kept by its content; and kept whole, every column, the file was kept
+    twice in datasets' cache (neither copy pruned). A file written while it is parsed keeps nothing
+    (``_WrittenWhileParsed``). The dataset's own fingerprint is its rows' alone
     (``_exact_json_rows_fingerprint``): a hub download's (``hub_data_fingerprint``) is what a step's checkpoints
     record of its data, and one that changed with dschat.data's code had the finished steps trained on it trained
     again after an upgrade, as if the hub cache held another revision.
     """
-    from datasets import Dataset
+    from datasets import Dataset, Features, Json
 
-    exact = _exact_json_features(features, also)
+    exact = _exact_json_features(data.features, also)
+    rebuilt = Features({name: feature for name, feature in exact.items() if isinstance(feature, Json)})
     hashed = hashed or file_digest_and_stamp(path)  # (a load's own, where given: the file not opened again)
-    rows = functools.partial(_exact_json_rows, kind, path, exact, hashed.stamp)
+    rows = functools.partial(_exact_json_rows, kind, path, rebuilt, hashed.stamp)
     fingerprint = _exact_json_rows_fingerprint(kind, path, hashed.sha256, exact)
     try:
-        data = Dataset.from_generator(rows, features=exact, fingerprint=_exact_json_cache_key(fingerprint))
+        columns = Dataset.from_generator(rows, features=rebuilt, fingerprint=_exact_json_cache_key(fingerprint))
     except Exception as err:  # (datasets wraps what the generator raises)
         if not caused_by(err, _WrittenWhileParsed):
             raise
-        # (written meanwhile, rarely: the file as it is now, parsed again, kept nowhere)
+        # (written meanwhile, rarely: the file as it is now, parsed again, kept nowhere, every column of it: ``data``
+        # is of the content before)
         return Dataset.from_list(list(_exact_json_rows(kind, path, exact, None)), features=exact)
-    data._fingerprint = fingerprint  # (its cache folder is the key's: datasets' map caches there, by code too)
-    return data
+    exact_data = _with_columns_of(data, columns)
+    exact_data._fingerprint = fingerprint  # (its rows' alone, not datasets' ops': see above)
+    return exact_data
+
+
+def _with_columns_of(data, columns):
+    """``data`` with its columns that ``columns`` (a Dataset of as many rows) holds taken from ``columns``, in
+    ``data``'s order."""
+    from datasets import concatenate_datasets
+
+    joined = concatenate_datasets([data.remove_columns(columns.column_names), columns], axis=1)
+    return joined.select_columns(data.column_names)
 
 
 def _exact_json_features(features, also):
@@ -1438,7 +1452,7 @@ def _json_columns_alike(kind, paths, parts):
     if not mixed or kind not in ("json", "jsonl"):
         return parts
     return [(part if all(_has_json_feature(part.features[name]) for name in mixed if name in part.features) else
-             _exact_json_dataset(kind, path, part.features, also=mixed), lines)
+             _exact_json_dataset(kind, path, part, also=mixed), lines)
             for path, (part, lines) in zip(paths, parts)]
 
 
