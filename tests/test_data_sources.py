@@ -1090,7 +1090,7 @@ def test_an_arrow_or_feather_file_named_as_data_is_told_how_to_write_it_as_parqu
 def test_an_arrow_stream_named_as_data_is_told_what_it_is_and_the_fix(tmp_path, name):
     """datasets' save_to_disk shard (data-00000-of-00001.arrow) is an Arrow IPC stream: no magic word, its first bytes
     a continuation marker (0xFFFFFFFF). Named x.jsonl or x.csv it was "not UTF-8 text (a NUL byte ...: UTF-16?)". It
-    is told by its first and last (end-of-stream) bytes now: the save_to_disk folder it is from is read as
+    is told by its first bytes and the schema they start now: the save_to_disk folder it is from is read as
     disk:FOLDER, and the command given writes the file alone as the Parquet file dschat reads. A text whose first bytes
     are 0xFF but does not end as a stream does stays "not UTF-8", and one of those four bytes alone is no stream."""
     import subprocess
@@ -1111,6 +1111,44 @@ def test_an_arrow_stream_named_as_data_is_told_what_it_is_and_the_fix(tmp_path, 
         path.write_bytes(text)
         with pytest.raises(DatasetFormatError, match=r"not UTF-8 text"):
             raw(f"csv:{path}", tmp_path)
+
+
+def write_arrow_stream(path, legacy=False, closed=True):
+    """Write RECORDS at ``path`` as an Arrow IPC stream: of the framing before pyarrow 0.15 (``legacy``: no
+    continuation marker; use_legacy_format), or not closed (no end-of-stream marker: a writer killed)."""
+    import pyarrow
+    import pyarrow.ipc
+
+    table = pyarrow.table(pd.DataFrame(RECORDS))
+    with open(path, "wb") as sink:
+        writer = pyarrow.ipc.new_stream(sink, table.schema,
+                                        options=pyarrow.ipc.IpcWriteOptions(use_legacy_format=legacy))
+        writer.write_table(table)
+        if closed:
+            writer.close()
+
+
+@pytest.mark.parametrize("legacy,closed", [(True, True), (False, False), (True, False)])
+def test_an_unclosed_or_legacy_arrow_stream_named_as_data_is_told_what_it_is_and_the_fix(tmp_path, legacy, closed):
+    """An Arrow IPC stream was told by its end-of-stream marker: one not closed (its writer killed) has none, and one
+    of pyarrow before 0.15 starts without the continuation marker and ends with another, so named x.csv they were "not
+    UTF-8 text (a NUL byte ...: UTF-16?)". Each is told by the schema its first bytes start now, with the fix, which,
+    followed, writes the Parquet file dschat reads; a UTF-32 text, whose first bytes may look like a length alone, stays
+    "not UTF-8"."""
+    import subprocess
+
+    path = tmp_path / "x.csv"
+    write_arrow_stream(path, legacy, closed)
+    assert path.read_bytes().startswith(b"\xff\xff\xff\xff") != legacy
+    with pytest.raises(DatasetFormatError, match=r"x\.csv: the file is an Arrow IPC stream \(.*\), not csv, and "
+                                                 r"dschat does not read it: .*\(mv .* && python -c .*\)$") as error:
+        raw(str(path), tmp_path)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    assert raw(str(tmp_path / "x.parquet"), tmp_path).raw_datasets["train"]["prompt"] == [r["prompt"] for r in RECORDS]
+    text = tmp_path / "y.csv"
+    text.write_bytes("prompt,chosen,rejected\nHi?,Hello.,Go.\n".encode("utf-32-le"))
+    with pytest.raises(DatasetFormatError, match=r"not UTF-8 text \(a NUL byte"):
+        raw(str(text), tmp_path)
 
 
 @pytest.mark.parametrize("name,form", [("data-00000-of-00001.arrow", "stream"), ("x.arrow", "arrow"),
@@ -1262,6 +1300,33 @@ def test_a_compressed_arrow_file_named_as_json_is_told_to_be_decompressed_and_wr
     subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
     adapter = raw(str(folder), tmp_path)
     assert as_tuples(adapter, adapter.get_eval_data()) == expected_tuples(RECORDS[15:])
+
+
+def test_a_compressed_legacy_arrow_stream_named_as_json_is_told_what_it_is_and_a_utf32_text_not(tmp_path):
+    """An Arrow IPC stream of pyarrow before 0.15 (no continuation marker: its first bytes a length) compressed with
+    gzip and named train.jsonl.gz was read as JSON, "UTF-16?". It is told what it is by its decompressed schema now,
+    with the commands that, run, write the Parquet file dschat reads; a gzipped UTF-32 JSON text, whose first bytes
+    may look like a length too, has no schema after them and stays "not UTF-8"."""
+    import gzip
+    import subprocess
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    stream = tmp_path / "stream.arrow"
+    write_arrow_stream(stream, legacy=True)
+    packed = folder / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress(stream.read_bytes()))
+    with pytest.raises(DatasetFormatError, match=r"train\.jsonl\.gz: the file is an Arrow IPC stream \(.*\) "
+                                                 r"compressed with gzip, not JSON, and dschat does not read it: "
+                                                 r".*decompress it to train\.arrow and write it as Parquet") as error:
+        raw(str(packed), tmp_path)
+    subprocess.run(TABLE_FIX.search(str(error.value)).group(1), shell=True, check=True)
+    assert raw(str(folder / "train.parquet"), tmp_path).raw_datasets["train"]["prompt"] == \
+        [record["prompt"] for record in RECORDS]
+    text = folder / "text.jsonl.gz"
+    text.write_bytes(gzip.compress('{"prompt": "Hi?", "chosen": "Hello."}\n'.encode("utf-32-le")))
+    with pytest.raises(DatasetFormatError, match=r"not UTF-8 text \(a NUL byte"):
+        raw(str(text), tmp_path)
 
 
 @pytest.mark.parametrize("column", ["PAR1", "FEA1", "ARROW1"])

@@ -63,8 +63,9 @@ PACKED_JSON = tuple(DECOMPRESSORS)  # (their extensions: a JSON file named so, x
 class BinaryTable:
     """A binary table file, told by its first bytes (``magic``, as a compression's) whatever its name: a Parquet file
     named train.csv or train.jsonl was read as text, "not UTF-8 text (byte 0xd4 at column 8)", and an Arrow file's NULs
-    said "UTF-16?". Its last bytes are its ``magic`` too, or ``end`` where given (each format writes them last:
-    ``is_binary_table``; else a CSV whose first column is named PAR1 or FEA1 would be one). ``what``: its words;
+    said "UTF-16?". Its last bytes are its ``magic`` too (each format writes it last: ``is_binary_table``; else a CSV
+    whose first column is named PAR1 or FEA1 would be one), or, ``schema_first``, an Arrow schema that pyarrow reads
+    follows its first bytes (``starts_an_arrow_stream``). ``what``: its words;
     ``kind``: the data type dschat reads it as, by its ``extension`` (EXTENSION_TYPES), None for one it does not read,
     told the Python that writes it as Parquet: ``read``, pyarrow's expression that reads it ({path}: the file's),
     after ``advice``, where said, on what to give instead."""
@@ -72,22 +73,28 @@ class BinaryTable:
     extension: str
     magic: bytes
     kind: str | None = None
-    end: bytes | None = None
     read: str = "pyarrow.feather.read_table({path})"
     advice: str = ""
+    schema_first: bool = False
 
+
+# An Arrow IPC stream's first bytes: no magic word, but its first message's length (little-endian), after a
+# continuation marker (pyarrow 0.15 on), or alone (before: as pyarrow writes with use_legacy_format), then, there, the
+# root offset of the message's flatbuffer; a length under 16 MiB after the marker, under 64 KiB alone, as a schema's.
+# A file they start is read for its schema (``starts_an_arrow_stream``: a UTF-32 text's may start so), not told by its
+# last bytes: a stream not closed ends without its end-of-stream marker, one before 0.15 with another ("UTF-16?").
+ARROW_STREAM_START = rb"\xff\xff\xff\xff[\x00-\xff]{3}\x00|[\x00-\xff]{2}\x00\x00[\x00-\xff]\x00\x00\x00"
 
 # by name: what pandas' to_parquet and to_feather write (Feather v2 is an Arrow IPC file), and the Arrow IPC stream
-# datasets writes: a save_to_disk folder's data-00000-of-00001.arrow and its cache files, a message length's
-# continuation marker first and the end-of-stream marker last (no magic word: ``told_by_magic`` takes the marker)
+# datasets writes: a save_to_disk folder's data-00000-of-00001.arrow and its cache files
 BINARY_TABLES = {"parquet": BinaryTable("a Parquet file", ".parquet", rb"PAR1", "parquet"),
                  "arrow": BinaryTable("an Arrow IPC (Feather v2) file", ".arrow", rb"ARROW1"),
                  "feather": BinaryTable("a Feather v1 file", ".feather", rb"FEA1"),
                  "arrow_stream": BinaryTable(
                      "an Arrow IPC stream (as a datasets save_to_disk folder's data-00000-of-00001.arrow)", ".arrow",
-                     rb"\xff\xff\xff\xff", end=b"\xff\xff\xff\xff\x00\x00\x00\x00",
-                     read="pyarrow.ipc.open_stream({path}).read_all()",
-                     advice="where it is from a save_to_disk folder, give the folder as disk:FOLDER; else ")}
+                     ARROW_STREAM_START, read="pyarrow.ipc.open_stream({path}).read_all()",
+                     advice="where it is from a save_to_disk folder, give the folder as disk:FOLDER; else ",
+                     schema_first=True)}
 
 
 def told_by_magic(formats, head):
@@ -622,16 +629,31 @@ def binary_table_of(path, head=None):
 
 
 def is_binary_table(path, table):
-    """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends with its last bytes too (its magic,
-    or its ``end``), as a whole file of that format does (Parquet, Arrow IPC and Feather v1 all write their magic last;
-    an Arrow IPC stream its end-of-stream marker): a CSV whose header begins "PAR1," or "FEA1," (text) was refused as a
-    Parquet or Feather file. A file no longer than its last bytes is not one: its first bytes were its last."""
-    end = table.end or table.magic
+    """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends with it too, as a whole file of
+    that format does (Parquet, Arrow IPC and Feather v1 all write their magic last): a CSV whose header begins "PAR1,"
+    or "FEA1," (text) was refused as a Parquet or Feather file. A file no longer than its magic is not one: its first
+    bytes were its last. An Arrow IPC stream (``schema_first``) is one where it starts with an Arrow schema
+    (``starts_an_arrow_stream``)."""
     with open(path, "rb") as f:
-        if f.seek(0, os.SEEK_END) <= len(end):
+        if table.schema_first:
+            return starts_an_arrow_stream(f)
+        if f.seek(0, os.SEEK_END) <= len(table.magic):
             return False
-        f.seek(-len(end), os.SEEK_END)
-        return f.read() == end
+        f.seek(-len(table.magic), os.SEEK_END)
+        return f.read() == table.magic
+
+
+def starts_an_arrow_stream(f):
+    """Whether the binary file ``f``, read from its start, begins with an Arrow IPC stream's schema message, as pyarrow
+    reads it (it reads that message alone): by either framing (``ARROW_STREAM_START``), closed or not."""
+    import pyarrow
+    import pyarrow.ipc
+
+    try:
+        pyarrow.ipc.open_stream(f)
+    except (pyarrow.ArrowException, OSError):  # (pyarrow's "Invalid flatbuffers message" is an OSError)
+        return False
+    return True
 
 
 def binary_table_error(path, kind, table, where=None, typed=False, fix=None):
@@ -690,10 +712,16 @@ def check_not_a_packed_binary_table(path, head):
     are a binary table's magic (``told_by_magic``) is an error saying what it is, with the commands that make it read
     (``packed_binary_table_command``): read as text, a Parquet file compressed with gzip was "line 1: not UTF-8 text".
     Its first bytes alone tell it (its last, which ``is_binary_table`` reads, are the compressed stream's): no JSON
-    text starts with them. A text file's may (docs.txt.gz beginning "PAR1"), and is not told so."""
+    text starts with them; an Arrow stream's, where its schema follows (``starts_an_arrow_stream``, read
+    decompressed: a UTF-32 text's first bytes may be a length alone). A text file's may (docs.txt.gz beginning
+    "PAR1"), and is not told so."""
     name = told_by_magic(BINARY_TABLES, head)
     if name is None or EXTENSION_TYPES.get(data_file_extensions(path)[0].lower()) not in ("json", "jsonl"):
         return
+    if BINARY_TABLES[name].schema_first:
+        with open_data_file(path) as f:
+            if not starts_an_arrow_stream(f):
+                return
     table, tool = BINARY_TABLES[name], COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()]
     plain = os.path.basename(binary_table_path(path, table))
     said = f"{path}: the file is {table.what} compressed with {tool}, not JSON"
