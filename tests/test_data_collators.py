@@ -385,6 +385,40 @@ def test_an_unsupervised_binary_table_named_txt_is_told_its_fix(tmp_path, form):
     assert train[column] == frame["text"].tolist()
 
 
+def test_an_unsupervised_gzipped_parquet_file_named_txt_gz_is_told_its_fix_and_a_text_beginning_par1_is_read(
+        tmp_path):
+    """A Parquet file gzipped as docs.txt.gz passed the pre-flight check (a .txt's compression is the text reader's to
+    undo), and step 3's load said "the text compressed in it (gzip) is not UTF-8 ... save the text as UTF-8". It is
+    told what it is now, by its decompressed first and last bytes, with the flag, by the pre-flight check and the
+    load alike: the commands given, run, write docs.parquet, which is read. A text that merely begins with "PAR1",
+    gzipped, is read as the text it is."""
+    import gzip
+    import io
+    import subprocess
+
+    from dschat.data import unsupervised
+
+    docs = tmp_path / "docs.txt.gz"
+    frame = pd.DataFrame({"text": [f"document {i} of plain text" for i in range(8)]})
+    parquet = io.BytesIO()
+    frame.to_parquet(parquet)
+    docs.write_bytes(gzip.compress(parquet.getvalue()))
+    for read in (unsupervised.check_unsupervised_file, unsupervised.load_unsupervised_train):
+        with pytest.raises(DatasetFormatError, match="^" + re.escape(f"--unsupervised_dataset_name {docs}: the file "
+                                                                     "is a Parquet file compressed with gzip, not "
+                                                                     "text: decompress it to docs.parquet (") +
+                           r"(mv .*)\), and it is read as parquet$") as error:
+            read(str(docs))
+    subprocess.run(re.search(r"\((mv .*)\)", str(error.value)).group(1), shell=True, check=True)
+    train, column = unsupervised.load_unsupervised_train(str(tmp_path / "docs.parquet"))
+    assert train[column] == frame["text"].tolist()
+    text = tmp_path / "notes.txt.gz"
+    text.write_bytes(gzip.compress(b"PAR1 opens the first paragraph\nand a second document follows\n"))
+    unsupervised.check_unsupervised_file(str(text))
+    train, column = unsupervised.load_unsupervised_train(str(text))
+    assert train[column] == ["PAR1 opens the first paragraph", "and a second document follows"]
+
+
 def test_a_corrupt_compressed_unsupervised_file_is_said_with_its_flag_by_the_pre_flight_check(tmp_path):
     """A docs.jsonl.gz that does not decompress (not gzip inside, or cut short) was said by train.py's pre-flight
     check (and step 3's load) by its path alone, "docs.jsonl.gz: not readable as gzip data ...", where the file's other

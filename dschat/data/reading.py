@@ -2,6 +2,7 @@
 CSV, Arrow loading with JSON's key orders as written, save_to_disk folders, and a split's files read as one.
 """
 import bz2
+import collections
 import contextlib
 import functools
 import gzip
@@ -588,10 +589,14 @@ def check_bytes_read_as(kind, path, where=None, head=None, typed=False, fix=None
     what it is: compressed (``compressed_error``), read as text it was 'not UTF-8 text ... save the file as UTF-8'; or
     a binary table file of another kind (``binary_table_error``: a Parquet file named train.csv). ``where``: how the
     error names ``path``; ``head``: its first bytes where read already (``HashedFile.head``); ``typed``: the file was
-    given as TYPE:PATH; ``fix``: the words that tell the fix, where not the file's own (a folder's: ``folder_fix``)."""
+    given as TYPE:PATH; ``fix``: the words that tell the fix, where not the file's own (a folder's: ``folder_fix``).
+    A text file compressed (docs.txt.gz, read decompressed) that holds a binary table is told so
+    (``packed_binary_table_error``)."""
     held = bytes_not_read_as(kind, path, head)
     if isinstance(held, BinaryTable):
         raise binary_table_error(path, kind, held, where, typed, fix)
+    if isinstance(held, PackedBinaryTable):
+        raise packed_binary_table_error(path, held.tool, held.table, kind, where, fix)
     if held is not None:
         raise compressed_error(path, held, where, kind, plain_fix=fix)
 
@@ -599,12 +604,15 @@ def check_bytes_read_as(kind, path, where=None, head=None, typed=False, fix=None
 def bytes_not_read_as(kind, path, head=None):
     """What the file at ``path``, read as ``kind``, holds by its first bytes (``head`` where read already) that is not
     read so, else None: the tool it is compressed with (``compressed_with``), but JSON named so (``PACKED_JSON``:
-    train.jsonl.gz, read decompressed, ``open_data_file``) and text (datasets' text reader decompresses it); or the
-    BinaryTable it is, of another kind (``binary_table_of``)."""
+    train.jsonl.gz, read decompressed, ``open_data_file``) and text (datasets' text reader decompresses it: the
+    PackedBinaryTable it is where it is a binary table decompressed, ``packed_binary_table_of``); or the BinaryTable it
+    is, of another kind (``binary_table_of``)."""
     if kind in ("json", "jsonl") and data_file_extensions(path)[1]:
         return None
     head = _head_of(path) if head is None else head
-    tool = None if kind == "text" else compressed_with(path, head)
+    tool = compressed_with(path, head)
+    if tool and kind == "text":
+        return packed_binary_table_of(path, tool)
     if tool:
         return tool
     table = binary_table_of(path, head)
@@ -618,6 +626,8 @@ def read_as_command(kind, path):
     held = bytes_not_read_as(kind, path)
     if isinstance(held, BinaryTable):
         return binary_table_command(path, held)
+    if isinstance(held, PackedBinaryTable):
+        return packed_binary_table_command(path, held.tool, held.table)
     return None if held is None else compressed_file_command(path, held, kind)
 
 
@@ -628,19 +638,46 @@ def binary_table_of(path, head=None):
     return BINARY_TABLES[name] if name and is_binary_table(path, BINARY_TABLES[name]) else None
 
 
-def is_binary_table(path, table):
+def is_binary_table(path, table, opener=open):
     """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends with it too, as a whole file of
     that format does (Parquet, Arrow IPC and Feather v1 all write their magic last): a CSV whose header begins "PAR1,"
     or "FEA1," (text) was refused as a Parquet or Feather file. A file no longer than its magic is not one: its first
     bytes were its last. An Arrow IPC stream (``schema_first``) is one where it starts with an Arrow schema
-    (``starts_an_arrow_stream``)."""
-    with open(path, "rb") as f:
+    (``starts_an_arrow_stream``). ``opener``: what opens the file, a decompressing one (gzip.open) for a compressed
+    file's table, read through to its end (its stream has no end to seek from)."""
+    with opener(path, "rb") as f:
         if table.schema_first:
             return starts_an_arrow_stream(f)
-        if f.seek(0, os.SEEK_END) <= len(table.magic):
-            return False
-        f.seek(-len(table.magic), os.SEEK_END)
-        return f.read() == table.magic
+        if opener is open:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - len(table.magic), 0))
+            last = f.read()
+        else:
+            size, last = 0, b""
+            for block in iter(lambda: f.read(1 << 20), b""):
+                size, last = size + len(block), (last + block)[-len(table.magic):]
+        return size > len(table.magic) and last == table.magic
+
+
+# A binary table compressed with ``tool`` (a Parquet file gzipped as docs.txt.gz)
+PackedBinaryTable = collections.namedtuple("PackedBinaryTable", "tool table")
+
+
+def packed_binary_table_of(path, tool):
+    """The PackedBinaryTable the file at ``path``, compressed with ``tool``, is decompressed, told as a plain file
+    is, by its first bytes and its last (read through: ``is_binary_table``), else None: a text's first bytes may be a
+    table's magic (docs.txt.gz beginning "PAR1"), not its last too. None too where its data does not decompress, which
+    its read says, or dschat has no module for ``tool`` (zstd, zip)."""
+    module = COMPRESSIONS[tool].module
+    if module is None:
+        return None
+    try:
+        with module.open(path, "rb") as f:
+            name = told_by_magic(BINARY_TABLES, f.read(HEAD_BYTES))
+        table = name and BINARY_TABLES[name]
+        return PackedBinaryTable(tool, table) if table and is_binary_table(path, table, module.open) else None
+    except DECOMPRESSION_ERRORS:
+        return None
 
 
 def starts_an_arrow_stream(f):
@@ -722,14 +759,25 @@ def check_not_a_packed_binary_table(path, head):
         with open_data_file(path) as f:
             if not starts_an_arrow_stream(f):
                 return
-    table, tool = BINARY_TABLES[name], COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()]
+    tool = COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()]
+    raise packed_binary_table_error(path, tool, BINARY_TABLES[name], "json")
+
+
+def packed_binary_table_error(path, tool, table, kind, where=None, fix=None):
+    """The error for the file at ``path``, read decompressed as ``kind`` (JSON named so: train.jsonl.gz; text:
+    docs.txt.gz), that is the binary ``table`` compressed with ``tool``: what it is, and the commands that make it read
+    (``packed_binary_table_command``). ``where``: how the error names ``path``; ``fix``: the words that tell the fix,
+    where not the file's own (a folder's: ``folder_fix``)."""
+    read_as = "JSON" if kind in ("json", "jsonl") else kind
+    said = f"{where or path}: the file is {table.what} compressed with {tool}, not {read_as}"
+    if fix:
+        return DatasetFormatError(f"{said}: {fix}")
     plain = os.path.basename(binary_table_path(path, table))
-    said = f"{path}: the file is {table.what} compressed with {tool}, not JSON"
     command = packed_binary_table_command(path, tool, table)
     if table.kind is not None:
-        raise DatasetFormatError(f"{said}: decompress it to {plain} ({command}), and it is read as {table.kind}")
-    raise DatasetFormatError(f"{said}, and dschat does not read it: {table.advice}decompress it to {plain} and write "
-                             f"it as Parquet, which it reads ({command})")
+        return DatasetFormatError(f"{said}: decompress it to {plain} ({command}), and it is read as {table.kind}")
+    return DatasetFormatError(f"{said}, and dschat does not read it: {table.advice}decompress it to {plain} and "
+                              f"write it as Parquet, which it reads ({command})")
 
 
 def packed_binary_table_command(path, tool, table):
