@@ -128,6 +128,55 @@ def test_an_actor_calling_other_submodules_by_length_under_zero3_module_fetch_is
                                      "actor_model_name_or_path": str(tmp_path / "rg")}), 2)  # (pinned)
 
 
+def test_a_notebooks_engine_refuses_ranks_gathering_other_weights_before_anything_loads(tmp_path, monkeypatch):
+    """A notebook's DeepSpeedRLHFEngine (no ``check_step3_settings``) met the ZeRO-3 --zero3_fetch module refusals of
+    RecurrentGemma and DeepSeek-V4 on several ranks only once its actor had loaded (the load-time checks). It refuses
+    them from the configs now, before its tokenizer or any weight loads, in the words of the command line's check:
+    the actor generating every forward a gather, every engine of DeepSeek-V4 (actor, critic, a reward model given
+    to the engine alone); with --zero3_fetch layer it goes on to load."""
+    from dschat.rlhf import engine as engine_module
+    from tests.helpers import tiny_deepseek_v4_actor, tiny_recurrent_gemma_actor
+
+    tiny_recurrent_gemma_actor().config.save_pretrained(tmp_path / "rg")
+    tiny_deepseek_v4_actor().config.save_pretrained(tmp_path / "v4")
+    _tiny_policy().config.save_pretrained(tmp_path / "llama")
+    monkeypatch.setattr(engine_module, "setup_run", lambda args: None)  # (distributed init: the 2 ranks are faked)
+    monkeypatch.setattr(engine_module, "get_world_size", lambda: 2)
+    # (config-only folders: the paths' check would want weights)
+    monkeypatch.setattr(engine_module, "check_earlier_step_outputs", lambda *given: None)
+
+    class Loaded(Exception):
+        pass
+
+    def loading(*given, **kwargs):
+        raise Loaded
+
+    for name in ("load_tokenizer", "load_causal_lm", "create_critic_model"):
+        monkeypatch.setattr(engine_module, name, loading)
+    module = {"actor_zero_stage": 3, "critic_zero_stage": 3, "zero3_fetch": "module", "max_prompt_seq_len": 8,
+              "max_answer_seq_len": 8, "enable_hybrid_engine": False}
+    grpo = {"advantage_estimator": "grpo", "n_samples_per_prompt": 2}
+    for actor, critic, reward, settings, refused in (
+            ("rg", "llama", None, {}, r"^HF generate .*\(recurrent_gemma\)"),
+            ("rg", "llama", None, {"enable_hybrid_engine": True, "unpin_actor_parameters": True},
+             r"^the hybrid engine generating without pinned parameters .*\(recurrent_gemma\)"),
+            ("v4", "llama", None, {"enable_hybrid_engine": True}, r"gathering the actor's \(deepseek_v4\)"),
+            ("llama", "v4", None, {}, r"gathering the critic's \(deepseek_v4\)"),
+            ("llama", None, "v4", grpo, r"gathering the reward model's \(deepseek_v4\)")):
+        paths = {"actor_model_name_or_path": str(tmp_path / actor),
+                 "critic_model_name_or_path": str(tmp_path / critic) if critic else None,
+                 "reward_model_name_or_path": str(tmp_path / reward) if reward else None}
+        flags = {**module, **settings, **{name: path for name, path in paths.items() if path}}
+        given = {**module, **settings}  # (the notebook gives the engine its paths, not its args)
+        with pytest.raises(UsageError, match=refused) as built:
+            DeepSpeedRLHFEngine(args=given, **paths)
+        with pytest.raises(UsageError) as from_the_flags:
+            check_step3_settings(step3_args(flags), 2)
+        assert str(built.value) == str(from_the_flags.value)
+        with pytest.raises(Loaded):
+            DeepSpeedRLHFEngine(args={**given, "zero3_fetch": "layer"}, **paths)
+
+
 def test_an_unpinned_actor_is_refused_in_the_same_words_before_loading_and_by_the_hybrid_engine(tmp_path):
     """The refusal of RecurrentGemma generating unpinned under ZeRO-3 --zero3_fetch module on 2 ranks is made from its
     config before it loads (``check_generation_gathers_alike``) and by the hybrid engine once built
@@ -151,8 +200,8 @@ def test_an_unpinned_actor_is_refused_in_the_same_words_before_loading_and_by_th
 
 def test_an_actor_on_hf_generate_calling_other_submodules_by_length_is_refused_once_loaded(monkeypatch):
     """RecurrentGemma on HF generate (--no-enable_hybrid_engine) under ZeRO-3 --zero3_fetch module on 2 ranks was
-    refused only from its config (``check_generation_gathers_alike``), which a notebook's DeepSpeedRLHFEngine never
-    makes and which reads no config of a hub actor not yet cached: the engine loaded it, and the ranks' first
+    refused only from its config (``check_generation_gathers_alike``), which reads no config of a hub actor not yet
+    cached (nor did a notebook's DeepSpeedRLHFEngine make it then): the engine loaded it, and the ranks' first
     rollouts gathered other weights (gloo aborted). The loaded actor is checked as the hybrid engine checks its own,
     in the words of the check before loading; with whole layers as units it loads."""
     from dschat.models.layers import mark_zero3_leaf_layers

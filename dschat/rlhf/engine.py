@@ -430,20 +430,35 @@ def check_generation_gathers_alike(args, world_size, actor_ds_config, config):
         refuse_unpinned_generation(config.model_type, world_size)
 
 
-def check_step3_forwards_alike(args, world_size, actor_ds_config, actor_config, critic_path):
+def check_step3_forwards_alike(args, world_size, actor_ds_config, actor_config, critic_path, reward_path=None):
     """Every step-3 engine of a family whose every forward gathers other weights by width on several ranks
     (``layers.check_config_forwards_alike``: DeepSeek-V4 under ZeRO-3 with --zero3_fetch module) refused from its
     config before any weight loads: the actor (and the reference and EMA copies sharded like it), the critic and the
-    reward model (sharded like the critic). ``critic_path``: None where train.py's step 2 writes it later."""
+    reward model (sharded like the critic). ``critic_path``: None where train.py's step 2 writes it later;
+    ``reward_path``: the reward model's where not the flags' (a notebook's ``reward_model_name_or_path=``)."""
     check_config_forwards_alike(lambda: actor_config, actor_ds_config["zero_optimization"]["stage"],
                                 args.zero3_fetch, world_size, "the actor's")
-    reward_path = args.reward_model_name_or_path or critic_path
+    reward_path = reward_path or args.reward_model_name_or_path or critic_path
     for role, path, needed in (("the critic's", critic_path, args.advantage_estimator == "gae"),
                                ("the reward model's", reward_path, bool(args.reward_model_weight))):
         if needed and path is not None:
             # (the reward model's stage on several ranks is the critic's: frozen_twin, frozen_copy_stage)
             check_config_forwards_alike(functools.partial(model_config_or_none, path, local_only=True),
                                         args.critic_zero_stage, args.zero3_fetch, world_size, role)
+
+
+def check_engines_gather_alike(args, world_size, actor_path, critic_path, reward_path):
+    """``check_generation_gathers_alike`` and ``check_step3_forwards_alike`` for ``DeepSpeedRLHFEngine``'s models
+    (the paths it was given), from their configs before anything loads: a notebook's engine, which makes no
+    ``check_step3_settings``, met these refusals only once its actor had loaded (the load-time checks, which stay as
+    backstops: a hub actor not cached yet has no config to read here)."""
+    if args.zero3_fetch != "module" or world_size < 2:
+        return  # (no refusal can come: no config is read)
+    actor_ds_config = step3_train_config(args, world_size, args.actor_zero_stage, args.enable_hybrid_engine,
+                                         quiet=True)
+    actor_config = model_config_or_none(actor_path, local_only=True)
+    check_generation_gathers_alike(args, world_size, actor_ds_config, actor_config)
+    check_step3_forwards_alike(args, world_size, actor_ds_config, actor_config, critic_path, reward_path)
 
 
 def check_step3_settings(args, world_size, actor_architecture=None, critic_made_later=False):
@@ -610,6 +625,8 @@ class DeepSpeedRLHFEngine:
         check_earlier_step_outputs(args, self.actor_path, self.critic_path, reward_model_name_or_path)
         warn_of_unfinished_inputs([self.actor_path, self.critic_path if args.advantage_estimator == "gae" else None,
                                    self.reward_path])
+        self.world_size = get_world_size()
+        check_engines_gather_alike(args, self.world_size, self.actor_path, self.critic_path, self.reward_path)
         if tokenizer is not None:
             check_given_tokenizer(tokenizer, self.actor_path)
         # (none given: step 3's, padding on the left as its prompts must; the saved models keep the folder's side)
@@ -625,7 +642,6 @@ class DeepSpeedRLHFEngine:
                          "num_total_iters=those iterations x the optimizer steps of each "
                          "(dschat.rlhf.config.optimizer_steps_per_iteration(args))")
         self.actor_total_iters = actor_total_iters or self.num_total_iters
-        self.world_size = get_world_size()
         with released_engines(only_on_error=True):  # (those made before a model that fails to load)
             self._init_models()
 
@@ -754,8 +770,8 @@ class DeepSpeedRLHFEngine:
         print_rank_0(f"[step3] actor {self.actor_path}: ZeRO-{a.actor_zero_stage}, "
                      f"hybrid engine {'on' if a.enable_hybrid_engine else 'off'}")
         if not a.enable_hybrid_engine:
-            # check_generation_gathers_alike's backstop: a notebook's engine skips that check, it reads no config of
-            # a hub actor not yet cached, and whether --zero3_fetch layer made units is known only now
+            # check_generation_gathers_alike's backstop: it reads no config of a hub actor not yet cached, and
+            # whether --zero3_fetch layer made units is known only now
             if ds_config["zero_optimization"]["stage"] == 3:
                 check_ranks_gather_alike(engine.module, self.world_size, refuse_hf_generation, a.zero3_fetch)
             return engine_takes_checkpointing_calls(engine)  # (DeepSpeed-Chat's loop's call, as the hybrid engine's)
