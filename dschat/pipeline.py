@@ -479,10 +479,11 @@ def check_one_steps_flags(step, steps, args, tiny, flags, parser, steps_flags):
         [*flags.data_path, *getattr(flags, "sft_only_data_path", [])], f"step {step}'s --data_path")
     if step == 3:
         check_grpo_reads_no_step2_folder(flags, args)
-        # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from
-        # (and step 2's may hold an earlier run's reward model: the critic is checked when step 3 loads it)
+        # before step 1 runs, its output folder may hold an earlier run's model: read the one it starts from (and
+        # step 2's may hold an earlier run's reward model: the critic's checks read the model step 2 starts from)
         check_step3_settings(step3_args(flags), get_world_size(), args.actor_model if 1 in steps else None,
-                             critic_made_later=2 in steps)
+                             critic_made_later=2 in steps,
+                             critic_architecture=_model_to_read(flags.critic_model_name_or_path, args, steps_flags))
         if steps != [3]:  # step 3 alone counts its prompts at once; after other steps, it would count them late
             check_step3_prompts(step3_args(flags), get_world_size())
             check_unsupervised_file(getattr(flags, "unsupervised_dataset_name", None),

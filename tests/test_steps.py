@@ -2602,6 +2602,50 @@ def test_train_py_checks_step_3s_accumulation_before_step_1(tmp_path, distribute
                                              "--gradient_accumulation_steps 3"))
 
 
+def test_train_py_checks_step_3s_critic_from_the_model_step_2_starts_from_before_step_1(tmp_path, distributed,
+                                                                                      monkeypatch):
+    """Step 3's critic is step 2's output, which train.py's check before step 1 did not read (an earlier run's could
+    be there): a DeepSeek-V4 reward model under --step3-args --zero3_fetch module at ZeRO-3 on several ranks (step 2
+    at the default --zero3_fetch layer), or a --critic_lora_module_name matching none of its modules, was refused
+    only when step 3 loaded the critic, after steps 1 and 2 had trained. The critic's checks read the model step 2
+    starts from (--reward-model), whose architecture it keeps."""
+    from dschat import pipeline
+    from dschat.errors import UsageError
+    from dschat.models.loading import load_tokenizer
+    from dschat.rlhf import engine
+    from dschat.steps import ppo  # noqa: F401 (imported before the patch below: it copies the patched name)
+    from helpers import tiny_deepseek_v4_actor
+
+    monkeypatch.setenv("DSCHAT_CACHE", str(tmp_path / "cache"))
+    v4 = tmp_path / "v4"
+    tiny_deepseek_v4_actor().save_pretrained(v4)
+    load_tokenizer("tiny-llama").save_pretrained(v4)  # (the actor's tokenizer: step 3 reads the actor's token ids)
+    checked = engine.check_step3_settings
+    # (step 3's check on 2 ranks; train.py's other checks, on this one rank, would wait on the other's collectives)
+    monkeypatch.setattr(engine, "check_step3_settings",
+                        lambda args, world_size, *given, **kwargs: checked(args, 2, *given, **kwargs))
+
+    class Ran(Exception):
+        pass
+
+    monkeypatch.setattr(pipeline, "run_step", lambda *a, **k: (_ for _ in ()).throw(Ran()))
+    out = tmp_path / "out"
+    v4_critic = ["--output-dir", str(out), "--data-path", "tiny", "--reward-model", str(v4), "--reward-zero-stage", "3"]
+    with pytest.raises(UsageError, match=r"gathering the critic's \(deepseek_v4\) weights submodule by submodule "
+                                         r"\(--zero3_fetch module\)"):
+        pipeline.run_pipeline(_train_py_args(*v4_critic, "--step3-args", "--zero3_fetch module"))
+    assert not out.exists(), "no step may have run"
+    # an actor's (llama's) module name, which step 2's OPT critic has not
+    opt_critic = ["--output-dir", str(out), "--reward-model", "tiny-opt", "--step3-args", "--critic_lora_dim 2 "]
+    with pytest.raises(UsageError, match=r"--critic_lora_module_name 'gate_proj' matches no Linear module of OPTModel"):
+        pipeline.run_pipeline(_train_py_args(*opt_critic[:-1], opt_critic[-1] + "--critic_lora_module_name gate_proj"))
+    assert not out.exists(), "no step may have run"
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args(*v4_critic, "--step3-args", "--zero3_fetch layer"))
+    with pytest.raises(Ran):
+        pipeline.run_pipeline(_train_py_args(*opt_critic[:-1], opt_critic[-1] + "--critic_lora_module_name q_proj"))
+
+
 def test_a_first_run_killed_after_its_save_leaves_its_folder_marked_unfinished(tmp_path, distributed, monkeypatch):
     """A first run's training_args.json was written only with its results: killed between its save and them, the
     folder held a model and nothing saying it was unfinished, so train.py started step 2 from it without a word."""

@@ -461,14 +461,16 @@ def check_engines_gather_alike(args, world_size, actor_path, critic_path, reward
     check_step3_forwards_alike(args, world_size, actor_ds_config, actor_config, critic_path, reward_path)
 
 
-def check_step3_settings(args, world_size, actor_architecture=None, critic_made_later=False):
+def check_step3_settings(args, world_size, actor_architecture=None, critic_made_later=False,
+                         critic_architecture=None):
     """Every check of step 3's flags before any data or model loads: ``check_settings``, the data split and paths,
     gradient accumulation, the actor's config against the lengths and the hybrid engine (tensor parallelism, local
     attention window), and the actor's and critic's training configs built once, quietly, so that a config file that
     contradicts the flags fails now. ``actor_architecture``: where the actor's config is read for the checks that need
     it, when not from --actor_model_name_or_path (train.py, before step 1 writes that folder: the model step 1 starts
-    from, whose architecture it keeps); ``critic_made_later``: train.py's step 2 writes the critic's folder (its LoRA
-    module name is checked when step 3 loads it)."""
+    from, whose architecture it keeps); ``critic_made_later``: train.py's step 2 writes the critic's folder, which may
+    hold an earlier run's model: the critic's config is then read from ``critic_architecture``, the model step 2
+    starts from, whose architecture it keeps (None: not known yet, the critic checked when step 3 loads it)."""
     check_settings(args)
     check_phase_share(args.data_split, 3)
     check_data_paths(args.data_path)
@@ -488,9 +490,9 @@ def check_step3_settings(args, world_size, actor_architecture=None, critic_made_
     check_local_window(args, actor_path, actor_config)
     check_actor_decodable(args, actor_config)
     check_generation_gathers_alike(args, world_size, actor, actor_config)
-    check_step3_forwards_alike(args, world_size, actor, actor_config,
-                               None if critic_made_later else args.critic_model_name_or_path)
-    check_lora_module_names(args, actor_config, None if critic_made_later else args.critic_model_name_or_path)
+    critic_path = critic_architecture if critic_made_later else args.critic_model_name_or_path
+    check_step3_forwards_alike(args, world_size, actor, actor_config, critic_path)
+    check_lora_module_names(args, actor_config, critic_path)
     check_accumulation(args)
     if args.advantage_estimator == "gae":
         step3_train_config(args, world_size, args.critic_zero_stage, role="critic", quiet=True)
