@@ -686,9 +686,19 @@ def unquoted_step_args(groups, index):
     # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
     if not spilled or not (value is None or value.startswith("-") or len(spilled) > len(left)):
         return None
-    whole = " ".join(part for part in (value, *spilled) if part)  # (an empty string given: no " " first)
     return spilled, misdashed, (f"{option} takes step {step}'s flags as one string: give them quoted, "
-                                f"{option} {shlex.quote(whole)}")
+                                f"{option} {shlex.quote(step_string_of(value, spilled))}")
+
+
+def step_string_of(value, spilled):
+    """The one --stepN-args string that a string ``value`` (or None) and the tokens ``spilled`` after it give, each
+    token quoted as the shell needs (``--step3-args --enable_ema --data_path "my file.json"`` was advised
+    '--enable_ema --data_path my file.json': two datasets); a value shlex cannot split is kept as typed (the step
+    says what is wrong with it)."""
+    try:
+        return shlex.join(shlex.split(value or "") + spilled)
+    except ValueError:
+        return " ".join(part for part in (value, *spilled) if part)
 
 
 # train.py's --stepN-args options, each step N's flags as one string: option -> N. The one table of them: train.py

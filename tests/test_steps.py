@@ -734,6 +734,24 @@ def test_train_py_says_to_quote_each_steps_flags_given_unquoted(capsys):
         assert {dest: getattr(parsed, dest) for dest in strings} == strings, argv
 
 
+def _advised_step_args(err):
+    """The train.py command lines an unquoted-step-flags error advises, each as its tokens (the shell's split)."""
+    return [shlex.split(fix) for fix in re.findall(r"give them quoted, (.*)", err)]
+
+
+def test_train_py_quotes_each_token_of_the_step_string_it_advises(capsys):
+    """``--step3-args --enable_ema --data_path "my file.json"``: the advice joined the tokens after the string with
+    spaces, '--enable_ema --data_path my file.json', which, followed, read two datasets, "my" and "file.json". Each
+    token is quoted as the shell needs: the advised string gives the step the tokens typed."""
+    from dschat.args import step3_parser
+
+    with pytest.raises(SystemExit):
+        _train_py_args("--step3-args", "--enable_ema", "--data_path", "my file.json", "b.json")
+    [advised] = _advised_step_args(capsys.readouterr().err)
+    step3 = step3_parser().parse_args(shlex.split(_train_py_args(*advised).step3_args))
+    assert step3.enable_ema and step3.data_path == ["my file.json", "b.json"], advised
+
+
 def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
     """train.py said nothing more for a misspelt step flag (``--entropy_coeff``) than that it is unrecognized, where
     the step's own parser names the flag meant (``close_names``): now the step flags it may mean and where they go, in
