@@ -686,19 +686,38 @@ def unquoted_step_args(groups, index):
     # (tokens left after a string that is a flag: that flag's value; or this step's flags after the string)
     if not spilled or not (value is None or value.startswith("-") or len(spilled) > len(left)):
         return None
-    return spilled, misdashed, (f"{option} takes step {step}'s flags as one string: give them quoted, "
-                                f"{option} {shlex.quote(step_string_of(value, spilled))}")
+    whole, repeated = step_string_of(step, value, spilled)
+    kept = f", each flag once (the last of {', '.join(repeated)} kept)" if repeated else ""
+    return spilled, misdashed, (f"{option} takes step {step}'s flags as one string{kept}: give them quoted, "
+                                f"{option} {shlex.quote(whole)}")
 
 
-def step_string_of(value, spilled):
-    """The one --stepN-args string that a string ``value`` (or None) and the tokens ``spilled`` after it give, each
-    token quoted as the shell needs (``--step3-args --enable_ema --data_path "my file.json"`` was advised
-    '--enable_ema --data_path my file.json': two datasets); a value shlex cannot split is kept as typed (the step
-    says what is wrong with it)."""
+def step_string_of(step, value, spilled):
+    """The one --stepN-args string of ``step``'s flags that a string ``value`` (or None) and the tokens ``spilled``
+    after it give, each token quoted as the shell needs (``--step3-args --enable_ema --data_path "my file.json"`` was
+    advised '--enable_ema --data_path my file.json': two datasets) and each flag once (``last_of_each_step_flag``),
+    and the flags it gave more than once; a value shlex cannot split is kept as typed (the step says what is wrong
+    with it)."""
     try:
-        return shlex.join(shlex.split(value or "") + spilled)
+        tokens = shlex.split(value or "") + spilled
     except ValueError:
-        return " ".join(part for part in (value, *spilled) if part)
+        return " ".join(part for part in (value, *spilled) if part), []
+    tokens, repeated = last_of_each_step_flag(step, tokens)
+    return shlex.join(tokens), repeated
+
+
+def last_of_each_step_flag(step, tokens):
+    """``tokens`` (step ``step``'s flags) with each flag once, the last one given (as argparse keeps it), and those
+    given more than once (``repeated_flags``), by each step script of that number (step 2's: the reward model's and
+    DPO's): the step refuses a flag given twice, and ``--step1-args "--lora_dim 2" --lora_dim 3`` was advised
+    '--lora_dim 2 --lora_dim 3'."""
+    repeated = []
+    for _, number, parser, _, _ in step_scripts():
+        if number == step:
+            built = parser()
+            repeated += [flag for flag in repeated_flags(built, tokens) if flag not in repeated]
+            tokens = without_flags_given_in(built, tokens, [])
+    return tokens, repeated
 
 
 # train.py's --stepN-args options, each step N's flags as one string: option -> N. The one table of them: train.py

@@ -752,6 +752,31 @@ def test_train_py_quotes_each_token_of_the_step_string_it_advises(capsys):
     assert step3.enable_ema and step3.data_path == ["my file.json", "b.json"], advised
 
 
+def test_train_py_advises_a_step_string_giving_each_flag_once(capsys):
+    """``--step1-args "--lora_dim 2" --lora_dim 3`` was advised --step1-args '--lora_dim 2 --lora_dim 3', which the
+    step refuses (a flag given twice): the advised string keeps the last of each flag (as argparse would), says so,
+    and, followed, parses, with step 2's flags of either script (DPO's --beta)."""
+    from dschat.args import step1_parser, step2_dpo_parser
+
+    for argv, parser, kept in (
+            (["--step1-args", "--lora_dim 2", "--lora_dim", "3"], step1_parser, {"lora_dim": 3}),
+            (["--step1-args", "--lora_dim", "2", "--print_loss", "--lora_dim=3"], step1_parser,
+             {"lora_dim": 3, "print_loss": True}),
+            (["--step2-args=--beta 0.1 --lora_dim 2", "--beta", "0.2", "--lora_dim", "4"], step2_dpo_parser,
+             {"lora_dim": 4, "beta": 0.2})):  # (by script: the reward model's flags, then DPO's)
+        with pytest.raises(SystemExit):
+            _train_py_args(*argv)
+        err = capsys.readouterr().err
+        repeated = ", ".join(f"--{dest} (2 times)" for dest in kept if dest != "print_loss")
+        assert f"as one string, each flag once (the last of {repeated} kept): give them quoted" in err, err
+        [advised] = _advised_step_args(err)
+        string = getattr(_train_py_args(*advised), advised[0][2:].replace("-", "_"))
+        step = parser()
+        step.check_given_once(shlex.split(string))
+        parsed = step.parse_args(shlex.split(string))
+        assert {dest: getattr(parsed, dest) for dest in kept} == kept, advised
+
+
 def test_train_py_names_the_step_flags_a_misspelt_one_may_mean(capsys):
     """train.py said nothing more for a misspelt step flag (``--entropy_coeff``) than that it is unrecognized, where
     the step's own parser names the flag meant (``close_names``): now the step flags it may mean and where they go, in
