@@ -5,6 +5,7 @@ with no arguments; every flag of DeepSpeed-Chat's step scripts is accepted.
 """
 import argparse
 import functools
+import itertools
 import math
 import os
 import re
@@ -466,6 +467,7 @@ class HintingParser(SaidOnceParser):
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else args
         self.refuse_unknown_flags(argv)
+        self.refuse_misdashed_values(argv)
         self.refuse_misdashed_before_required(argv)
         parsed, extras = self.parse_known_args(argv, namespace)
         self.refuse_extras(extras)
@@ -496,6 +498,30 @@ class HintingParser(SaidOnceParser):
                 each.required = True
         if any(misdashed_flag(token) for token in extras):
             self.refuse_extras(extras)
+
+    def refuse_misdashed_values(self, argv):
+        """A flag typed with a pasted dash after a flag of several values (``--data_path a b \u2014learning_rate 1e-3``)
+        is an error with its hint (``misdashed_hint``): argparse takes it, and the values after it, for more values of
+        that flag (datasets: "unknown dataset" was said, of the first one), where after any other flag it is left over
+        and hinted (``refuse_extras``). A value so typed that names no flag it could mean (a prompt "\u2014Hi") is a
+        value."""
+        taken = [(str(tokens[0]), values) for _, tokens in flag_groups(self, argv)
+                 if (values := self.misdashed_values(tokens))]
+        if taken:
+            self.error("; ".join(f"argument {option}: {' '.join(values)} read as more of its values"
+                                 for option, values in taken)
+                       + self.hint([value for _, values in taken for value in values if typed_dashes_as_flag(value)]))
+
+    def misdashed_values(self, tokens):
+        """A ``flag_groups`` group's values that argparse reads as more values of a flag of several values, from the
+        first typed with a pasted dash that a hint names a flag for (``misdashed_hint``) on; else []."""
+        action = self._option_string_actions.get(str(tokens[0]))  # (``--data_path=a b``: one value; b left over)
+        if action is None or action.nargs not in ("+", "*"):
+            return []
+        values = list(itertools.takewhile(read_as_a_value, map(str, tokens[1:])))
+        cut = next((index for index, value in enumerate(values)
+                    if typed_dashes_as_flag(value) and self.misdashed_hint(value)), len(values))
+        return values[cut:]
 
     def refuse_unknown_flags(self, argv):
         """Each ``--flag`` of ``argv`` this parser lacks (with the values after it) is an error, before argparse's
@@ -559,6 +585,12 @@ class HintingParser(SaidOnceParser):
 # Dashes a web page or word processor shows for "-" or "--" (hyphen, non-breaking hyphen, figure dash, en dash, em
 # dash, horizontal bar, minus sign): a command line pasted from one has them.
 TYPOGRAPHIC_DASHES = "\u2010\u2011\u2012\u2013\u2014\u2015\u2212"
+
+
+def read_as_a_value(token):
+    """Whether argparse reads ``token`` as a value where a flag takes one, not as a flag: no "-" first, or a
+    negative number (``NEGATIVE_NUMBER``), a lone "-" or a token with a space (a prompt "-- and you?")."""
+    return not token.startswith("-") or token == "-" or " " in token or bool(NEGATIVE_NUMBER.match(token))
 
 
 def typed_dashes_as_flag(token):

@@ -658,6 +658,42 @@ def test_a_flag_typed_with_one_dash_names_the_flag_meant(capsys):
     assert [misdashed_flag(token) for token in ("-1e-3", "-h", "-", "-x=1")] == [None] * 4
 
 
+def test_a_pasted_dash_flag_after_a_flag_of_several_values_is_told_as_a_flag(capsys):
+    """``--data_path a b \u2014learning_rate 1e-3``: argparse took the pasted-dash flag and its value for two more
+    datasets (the step said "unknown dataset 'a'", or trained at the default learning rate where the data was found),
+    where after any other flag it is left over and hinted. It is the error now, with the same hint, in the step
+    scripts and train.py; a value with a pasted dash that names no flag (a dataset, a prompt) is still a value."""
+    from dschat.args import step1_parser
+    from dschat.tools import prompt_eval
+
+    typed = "begins with a typographic dash, not '--'"
+    for parse, argv, said in (
+            (step1_parser().parse_args, ["--data_path", "a", "b", "\u2014learning_rate", "1e-3", "--seed", "1"],
+             ["argument --data_path: \u2014learning_rate 1e-3 read as more of its values",
+              f"\u2014learning_rate: {typed}; did you mean --learning_rate?"]),
+            (step1_parser().parse_args, ["--data_path", "a", "\u2013lora_dim", "2", "--sft_only_data_path", "b",
+                                         "\u2013print_answers"],
+             ["argument --data_path: \u2013lora_dim 2 read as more of its values; argument --sft_only_data_path: "
+              "\u2013print_answers read as more of its values", f"\u2013lora_dim: {typed}; did you mean --lora_dim?",
+              f"\u2013print_answers: {typed}; --print_answers: a flag of step 3 (training/step3_ppo/main.py)"]),
+            (lambda argv: _train_py_args(*argv), ["--data-path", "a", "b", "\u2014lora_dim", "3"],
+             ["argument --data-path: \u2014lora_dim 3 read as more of its values",
+              f"\u2014lora_dim: {typed}; --lora_dim: a flag of step 1, 2; give it to train.py inside --step1-args / "
+              "--step2-args / --step2-args with --recipe dpo (one quoted string each), or run the step's "
+              "training/.../main.py"]),
+            (lambda argv: _train_py_args(*argv), ["--step", "1", "2", "\u2013recipe", "dpo"],
+             ["argument --step: \u2013recipe dpo read as more of its values",
+              f"\u2013recipe: {typed}; did you mean --recipe?"])):
+        with pytest.raises(SystemExit) as stopped:
+            parse(argv)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.endswith("error: " + "\n  ".join(said) + "\n"), err
+    assert step1_parser().parse_args(["--data_path", "a", "\u2013my_data"]).data_path == ["a", "\u2013my_data"]
+    prompts = ["Hi", "\u2014Hello", "\u2014 and you?"]
+    assert prompt_eval.build_parser().parse_args(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune",
+                                                  "b", "--prompts", *prompts]).prompts == prompts
+
+
 def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
     """``--step3-args --entropy_coef 0.01`` unquoted (the shell splits it: --step3-args takes --entropy_coef, and
     0.01 is left over) said only "unrecognized arguments: 0.01", as did step 3's flags after its string
