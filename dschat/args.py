@@ -500,25 +500,23 @@ class HintingParser(SaidOnceParser):
             self.refuse_extras(extras)
 
     def refuse_misdashed_values(self, argv):
-        """A flag typed with a pasted dash after a flag of several values (``--data_path a b \u2014learning_rate 1e-3``)
-        is an error with its hint (``misdashed_hint``): argparse takes it, and the values after it, for more values of
-        that flag (datasets: "unknown dataset" was said, of the first one), where after any other flag it is left over
-        and hinted (``refuse_extras``). A value so typed that names no flag it could mean (a prompt "\u2014Hi") is a
-        value."""
+        """A flag typed with a pasted dash where argparse reads it as a flag's value is an error with its hint
+        (``misdashed_hint``), after a flag of several values (``--data_path a b \u2014learning_rate 1e-3``: more
+        datasets, "unknown dataset" said of the first) or one of a value (``--output_dir \u2014learning_rate 1e-3``:
+        "unrecognized arguments: 1e-3" and no more), where after a switch it is left over and hinted
+        (``refuse_extras``). A value so typed that names no flag it could mean (a prompt "\u2014Hi") is a value."""
         taken = [(str(tokens[0]), values) for _, tokens in flag_groups(self, argv)
                  if (values := self.misdashed_values(tokens))]
         if taken:
-            self.error("; ".join(f"argument {option}: {' '.join(values)} read as more of its values"
+            self.error("; ".join(f"argument {option}: {' '.join(values)} read as its value{'s' * (len(values) > 1)}"
                                  for option, values in taken)
                        + self.hint([value for _, values in taken for value in values if typed_dashes_as_flag(value)]))
 
     def misdashed_values(self, tokens):
-        """A ``flag_groups`` group's values that argparse reads as more values of a flag of several values, from the
-        first typed with a pasted dash that a hint names a flag for (``misdashed_hint``) on; else []."""
+        """The values argparse reads for the flag of a ``flag_groups`` group (``values_read``), from the first typed
+        with a pasted dash that a hint names a flag for (``misdashed_hint``) on; else []."""
         action = self._option_string_actions.get(str(tokens[0]))  # (``--data_path=a b``: one value; b left over)
-        if action is None or action.nargs not in ("+", "*"):
-            return []
-        values = list(itertools.takewhile(read_as_a_value, map(str, tokens[1:])))
+        values = values_read(action, tokens[1:]) if action is not None else []
         cut = next((index for index, value in enumerate(values)
                     if typed_dashes_as_flag(value) and self.misdashed_hint(value)), len(values))
         return values[cut:]
@@ -591,6 +589,14 @@ def read_as_a_value(token):
     """Whether argparse reads ``token`` as a value where a flag takes one, not as a flag: no "-" first, or a
     negative number (``NEGATIVE_NUMBER``), a lone "-" or a token with a space (a prompt "-- and you?")."""
     return not token.startswith("-") or token == "-" or " " in token or bool(NEGATIVE_NUMBER.match(token))
+
+
+def values_read(action, tokens):
+    """The ``tokens`` after a flag (of ``action``, given without "=") that argparse reads as its values: those it
+    reads as values (``read_as_a_value``), as many as the flag takes."""
+    readable = list(itertools.takewhile(read_as_a_value, map(str, tokens)))
+    takes = {None: 1, "?": 1}.get(action.nargs, action.nargs)
+    return readable[:takes] if isinstance(takes, int) else readable
 
 
 def typed_dashes_as_flag(token):

@@ -669,20 +669,20 @@ def test_a_pasted_dash_flag_after_a_flag_of_several_values_is_told_as_a_flag(cap
     typed = "begins with a typographic dash, not '--'"
     for parse, argv, said in (
             (step1_parser().parse_args, ["--data_path", "a", "b", "\u2014learning_rate", "1e-3", "--seed", "1"],
-             ["argument --data_path: \u2014learning_rate 1e-3 read as more of its values",
+             ["argument --data_path: \u2014learning_rate 1e-3 read as its values",
               f"\u2014learning_rate: {typed}; did you mean --learning_rate?"]),
             (step1_parser().parse_args, ["--data_path", "a", "\u2013lora_dim", "2", "--sft_only_data_path", "b",
                                          "\u2013print_answers"],
-             ["argument --data_path: \u2013lora_dim 2 read as more of its values; argument --sft_only_data_path: "
-              "\u2013print_answers read as more of its values", f"\u2013lora_dim: {typed}; did you mean --lora_dim?",
+             ["argument --data_path: \u2013lora_dim 2 read as its values; argument --sft_only_data_path: "
+              "\u2013print_answers read as its value", f"\u2013lora_dim: {typed}; did you mean --lora_dim?",
               f"\u2013print_answers: {typed}; --print_answers: a flag of step 3 (training/step3_ppo/main.py)"]),
             (lambda argv: _train_py_args(*argv), ["--data-path", "a", "b", "\u2014lora_dim", "3"],
-             ["argument --data-path: \u2014lora_dim 3 read as more of its values",
+             ["argument --data-path: \u2014lora_dim 3 read as its values",
               f"\u2014lora_dim: {typed}; --lora_dim: a flag of step 1, 2; give it to train.py inside --step1-args / "
               "--step2-args / --step2-args with --recipe dpo (one quoted string each), or run the step's "
               "training/.../main.py"]),
             (lambda argv: _train_py_args(*argv), ["--step", "1", "2", "\u2013recipe", "dpo"],
-             ["argument --step: \u2013recipe dpo read as more of its values",
+             ["argument --step: \u2013recipe dpo read as its values",
               f"\u2013recipe: {typed}; did you mean --recipe?"])):
         with pytest.raises(SystemExit) as stopped:
             parse(argv)
@@ -692,6 +692,32 @@ def test_a_pasted_dash_flag_after_a_flag_of_several_values_is_told_as_a_flag(cap
     prompts = ["Hi", "\u2014Hello", "\u2014 and you?"]
     assert prompt_eval.build_parser().parse_args(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune",
                                                   "b", "--prompts", *prompts]).prompts == prompts
+
+
+def test_a_pasted_dash_flag_read_as_a_flags_one_value_is_told_as_a_flag(capsys):
+    """``--output_dir \u2014learning_rate 1e-3``: argparse read the pasted-dash flag as the folder and said only
+    "unrecognized arguments: 1e-3"; chat.py's ``--path \u2014max_new_tokens 5`` the same. It is told as after a flag of
+    several values, with the hint; after a switch it is still left over and hinted."""
+    from dschat.args import step1_parser
+    from dschat.tools import chat
+
+    typed = "begins with a typographic dash, not '--'"
+    for parse, argv, said in (
+            (step1_parser().parse_args, ["--output_dir", "\u2014learning_rate", "1e-3"],
+             ["argument --output_dir: \u2014learning_rate read as its value",
+              f"\u2014learning_rate: {typed}; did you mean --learning_rate?"]),
+            (chat.build_parser().parse_args, ["--path", "\u2014max_new_tokens", "5"],
+             ["argument --path: \u2014max_new_tokens read as its value",
+              f"\u2014max_new_tokens: {typed}; did you mean --max_new_tokens?"]),
+            (lambda argv: _train_py_args(*argv), ["--output-dir", "\u2013recipe", "dpo"],
+             ["argument --output-dir: \u2013recipe read as its value", f"\u2013recipe: {typed}; did you mean --recipe?"]),
+            (step1_parser().parse_args, ["--print_loss", "\u2014learning_rate", "1e-3"],
+             ["unrecognized arguments: \u2014learning_rate 1e-3",
+              f"\u2014learning_rate: {typed}; did you mean --learning_rate?"])):
+        with pytest.raises(SystemExit) as stopped:
+            parse(argv)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.endswith("error: " + "\n  ".join(said) + "\n"), err
 
 
 def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
