@@ -4002,6 +4002,32 @@ def test_a_files_mixed_type_columns_alone_are_kept_beside_its_datasets_load(tmp_
     assert [pyarrow.ipc.open_stream(copy).schema.names for copy in kept] == [["meta"]]
 
 
+def _meta_as_text(batch):
+    return {"meta_text": [repr(value) for value in batch["meta"]]}
+
+
+def test_a_map_of_a_files_mixed_type_columns_is_not_served_from_rows_rebuilt_by_other_code(tmp_path, monkeypatch):
+    """A mixed-type file's dataset keeps its rows' fingerprint whatever code rebuilt them (``_exact_json_dataset``);
+    datasets' map caches in the folder of its first cache file. Joined to datasets' load with that load's file first,
+    a map was cached in the load's folder, not keyed by dschat.data's code: rows that other code rebuilt otherwise
+    were served the map of the old rows. Its cache is the rebuilt columns' folder's, keyed by the code, as before."""
+    from dschat.data import digests, reading
+
+    path = write_records(_mixed_type_records(), tmp_path / "train.jsonl", "jsonl")
+
+    def meta_and_its_map():
+        digests.forget_file_digests()
+        data, _ = reading.load_file("jsonl", path)
+        return list(data["meta"]), list(data.map(_meta_as_text, batched=True)["meta_text"])
+
+    written = [record["meta"] for record in _mixed_type_records()]
+    assert meta_and_its_map() == (written, list(map(repr, written)))
+    monkeypatch.setattr(reading, "_data_code_digest", lambda: "other code")  # (which rebuilds the values as lists)
+    monkeypatch.setattr(reading, "_json_text", lambda value: None if value is None else json.dumps([value]))
+    listed = [[value] for value in written]
+    assert meta_and_its_map() == (listed, list(map(repr, listed)))
+
+
 def test_a_shards_mixed_type_columns_are_not_parsed_again_for_the_same_content(tmp_path, monkeypatch):
     """A shard whose column is text alone, beside a shard where it has mixed types, is rebuilt as that one is
     (``_json_columns_alike``), from its parse: kept as a file's, by its content."""

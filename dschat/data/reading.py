@@ -1382,16 +1382,19 @@ def _exact_json_dataset(kind, path, data, also=(), hashed=None):
         # is of the content before)
         return Dataset.from_list(list(_exact_json_rows(kind, path, exact, None)), features=exact)
     exact_data = _with_columns_of(data, columns)
-    exact_data._fingerprint = fingerprint  # (its rows' alone, not datasets' ops': see above)
+    exact_data._fingerprint = fingerprint  # (its rows' alone, not datasets' ops': see above; maps cache in the key's
+    # folder, by code too: ``_with_columns_of``)
     return exact_data
 
 
 def _with_columns_of(data, columns):
     """``data`` with its columns that ``columns`` (a Dataset of as many rows) holds taken from ``columns``, in
-    ``data``'s order."""
+    ``data``'s order. ``columns``' file is the first of its cache files: datasets' ``map`` caches in the first one's
+    folder, under a fingerprint of the rows alone (``_exact_json_dataset``), and in ``data``'s folder (datasets' load,
+    not keyed by dschat.data's code) a map of rows rebuilt by other code was served the old rows' result."""
     from datasets import concatenate_datasets
 
-    joined = concatenate_datasets([data.remove_columns(columns.column_names), columns], axis=1)
+    joined = concatenate_datasets([columns, data.remove_columns(columns.column_names)], axis=1)
     return joined.select_columns(data.column_names)
 
 
