@@ -1329,6 +1329,20 @@ def test_a_compressed_legacy_arrow_stream_named_as_json_is_told_what_it_is_and_a
         raw(str(text), tmp_path)
 
 
+@pytest.mark.parametrize("text", [b"PAR1", b"PAR1\n", b"FEA1 notes\n"])
+def test_a_compressed_json_file_beginning_as_a_binary_tables_magic_but_no_table_is_told_its_json_error(tmp_path, text):
+    """A JSON file read decompressed whose decompressed first bytes were a binary table's magic was told to be that
+    table by them alone: four bytes "PAR1" gzipped as train.jsonl.gz were "a Parquet file compressed with gzip", with
+    commands that fail on it (the Parquet file they write is none). It is told so where it ends as that table too, as
+    a compressed text is; else its JSON check says what is wrong, at its line."""
+    import gzip
+
+    path = tmp_path / "train.jsonl.gz"
+    path.write_bytes(gzip.compress(text))
+    with pytest.raises(DatasetFormatError, match=rf"^{re.escape(str(path))} line 1: invalid JSON"):
+        raw(str(path), tmp_path)
+
+
 @pytest.mark.parametrize("column", ["PAR1", "FEA1", "ARROW1"])
 def test_a_csv_whose_first_column_is_named_as_a_binary_tables_magic_is_read_as_csv(tmp_path, column):
     """A CSV whose header begins with a binary table's magic (a column named PAR1 or FEA1: "feature 1") was refused

@@ -748,19 +748,15 @@ def check_not_a_packed_binary_table(path, head):
     """A JSON file read decompressed (``open_data_file``: train.jsonl.gz) whose decompressed first bytes (``head``)
     are a binary table's magic (``told_by_magic``) is an error saying what it is, with the commands that make it read
     (``packed_binary_table_command``): read as text, a Parquet file compressed with gzip was "line 1: not UTF-8 text".
-    Its first bytes alone tell it (its last, which ``is_binary_table`` reads, are the compressed stream's): no JSON
-    text starts with them; an Arrow stream's, where its schema follows (``starts_an_arrow_stream``, read
-    decompressed: a UTF-32 text's first bytes may be a length alone). A text file's may (docs.txt.gz beginning
-    "PAR1"), and is not told so."""
-    name = told_by_magic(BINARY_TABLES, head)
-    if name is None or EXTENSION_TYPES.get(data_file_extensions(path)[0].lower()) not in ("json", "jsonl"):
+    It is one as a text file compressed is (``packed_binary_table_of``): by its decompressed last bytes too, or an
+    Arrow stream's schema. By its first bytes alone, four bytes "PAR1" gzipped were told to be a Parquet file and
+    given commands that fail on it: not JSON, but no table either (its JSON check says where it fails)."""
+    if told_by_magic(BINARY_TABLES, head) is None or \
+            EXTENSION_TYPES.get(data_file_extensions(path)[0].lower()) not in ("json", "jsonl"):
         return
-    if BINARY_TABLES[name].schema_first:
-        with open_data_file(path) as f:
-            if not starts_an_arrow_stream(f):
-                return
-    tool = COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()]
-    raise packed_binary_table_error(path, tool, BINARY_TABLES[name], "json")
+    held = packed_binary_table_of(path, COMPRESSED_EXTENSIONS[data_file_extensions(path)[1].lower()])
+    if held is not None:
+        raise packed_binary_table_error(path, held.tool, held.table, "json")
 
 
 def packed_binary_table_error(path, tool, table, kind, where=None, fix=None):
