@@ -419,6 +419,23 @@ def test_an_unsupervised_gzipped_parquet_file_named_txt_gz_is_told_its_fix_and_a
     assert train[column] == ["PAR1 opens the first paragraph", "and a second document follows"]
 
 
+@pytest.mark.parametrize("magic", ["PAR1", "FEA1"])
+def test_an_unsupervised_gzipped_text_that_begins_and_ends_with_a_tables_magic_is_read_as_text(tmp_path, magic):
+    """docs.txt.gz is looked inside for a binary table (``packed_binary_table_of``): a text that began and ended with
+    "PAR1" (no line end after it) was told to be "a Parquet file compressed with gzip", by its first and last bytes
+    alone, where it had been read as the text it is. A table's footer length precedes its last magic; this text's
+    four bytes there say more than it holds, and it is read."""
+    import gzip
+
+    from dschat.data import unsupervised
+
+    text = tmp_path / "notes.txt.gz"
+    text.write_bytes(gzip.compress(f"{magic} opens the first paragraph\nand the second ends with {magic}".encode()))
+    unsupervised.check_unsupervised_file(str(text))
+    train, column = unsupervised.load_unsupervised_train(str(text))
+    assert train[column] == [f"{magic} opens the first paragraph", f"and the second ends with {magic}"]
+
+
 def test_a_corrupt_compressed_unsupervised_file_is_said_with_its_flag_by_the_pre_flight_check(tmp_path):
     """A docs.jsonl.gz that does not decompress (not gzip inside, or cut short) was said by train.py's pre-flight
     check (and step 3's load) by its path alone, "docs.jsonl.gz: not readable as gzip data ...", where the file's other

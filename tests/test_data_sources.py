@@ -1355,6 +1355,17 @@ def test_a_csv_whose_first_column_is_named_as_a_binary_tables_magic_is_read_as_c
     assert data["prompt"] == [record["prompt"] for record in RECORDS]
 
 
+@pytest.mark.parametrize("magic", ["PAR1", "FEA1", "ARROW1"])
+def test_a_csv_that_begins_and_ends_with_a_binary_tables_magic_is_read_as_csv(tmp_path, magic):
+    """A CSV whose first column is named as a binary table's magic and whose last cell is that magic (no line end
+    after it) was "a Parquet file" (or Feather, Arrow): its first and last bytes alone told it. Such a file holds its
+    footer's length before its last magic; this text's four bytes there are a length far past its end."""
+    path = tmp_path / "train.csv"
+    path.write_text(f"{magic},prompt,chosen,rejected\n1,Hi?,Hello.,{magic}")
+    data = raw(f"csv:{path}", tmp_path).raw_datasets["train"]
+    assert (data[magic], data["rejected"]) == (["1"], [magic])
+
+
 def test_folder_reads_an_eval_file_of_another_extension_and_refuses_two_eval_files(tmp_path, capsys):
     # train.jsonl beside eval.json: the eval file was not looked for and train was split 90/10, without a word
     folder = tmp_path / "data"

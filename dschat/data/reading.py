@@ -639,24 +639,42 @@ def binary_table_of(path, head=None):
 
 
 def is_binary_table(path, table, opener=open):
-    """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends with it too, as a whole file of
-    that format does (Parquet, Arrow IPC and Feather v1 all write their magic last): a CSV whose header begins "PAR1,"
-    or "FEA1," (text) was refused as a Parquet or Feather file. A file no longer than its magic is not one: its first
-    bytes were its last. An Arrow IPC stream (``schema_first``) is one where it starts with an Arrow schema
+    """Whether the file at ``path``, whose first bytes are ``table``'s magic, ends as a whole file of that format does
+    (``ends_as_binary_table``): a CSV whose header begins "PAR1," or "FEA1," (text) was refused as a Parquet or
+    Feather file. An Arrow IPC stream (``schema_first``) is one where it starts with an Arrow schema
     (``starts_an_arrow_stream``). ``opener``: what opens the file, a decompressing one (gzip.open) for a compressed
     file's table, read through to its end (its stream has no end to seek from)."""
     with opener(path, "rb") as f:
         if table.schema_first:
             return starts_an_arrow_stream(f)
+        tail = len(table.magic) + FOOTER_LENGTH_BYTES
         if opener is open:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(size - len(table.magic), 0))
+            f.seek(max(size - tail, 0))
             last = f.read()
         else:
             size, last = 0, b""
             for block in iter(lambda: f.read(1 << 20), b""):
-                size, last = size + len(block), (last + block)[-len(table.magic):]
-        return size > len(table.magic) and last == table.magic
+                size, last = size + len(block), (last + block)[-tail:]
+        return ends_as_binary_table(table, size, last)
+
+
+# Parquet, Arrow IPC and Feather v1 files end with their footer's (or metadata's) length, 4 bytes little-endian, then
+# their magic
+FOOTER_LENGTH_BYTES = 4
+
+
+def ends_as_binary_table(table, size, last):
+    """Whether a file of ``size`` bytes that starts with ``table``'s magic and ends with the bytes ``last`` ends as
+    that format writes: its magic after a footer length that fits between the two magics. By the magic alone, a text
+    that begins and ends with "PAR1" (a CSV's first column and last cell, a gzipped docs.txt.gz) was a Parquet file;
+    its footer length would be four text characters' bytes (0x09090909 at least: 151 MB), more than a text holds
+    short of that size."""
+    magic = table.magic
+    if len(last) < len(magic) + FOOTER_LENGTH_BYTES or not last.endswith(magic):
+        return False
+    footer = int.from_bytes(last[-len(magic) - FOOTER_LENGTH_BYTES:-len(magic)], "little")
+    return 0 < footer <= size - 2 * len(magic) - FOOTER_LENGTH_BYTES
 
 
 # A binary table compressed with ``tool`` (a Parquet file gzipped as docs.txt.gz)
