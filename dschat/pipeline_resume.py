@@ -188,6 +188,8 @@ def _step_decision(step, steps, recipe, output_dir, flags, plan, rm_from_sft, re
         extends = ", and it saved no checkpoint to train on from (--save_interval)" if longer else ""
         return Decision(FRESH, f"its finished output in {folder} had other values of "
                                f"{', '.join(said_change(name, record, flags, folder) for name in changed)}" + extends)
+    if not os.path.isdir(folder):  # (not "holds no ...": that reads as if something were there)
+        return Decision(FRESH, f"{folder} does not exist yet")
     if inputs:
         plural = "s" if len(inputs) > 1 else ""
         return Decision(FRESH, f"{folder} holds no finished output nor checkpoint made from the present "

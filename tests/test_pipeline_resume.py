@@ -956,9 +956,16 @@ def test_each_steps_line_says_why(tmp_path):
     lines = [describe(step, decisions[step], f"out/{FOLDERS[step]}") for step in (1, 3)]
     assert lines == [f"step 1: starts afresh: its finished output in {tmp_path / 'step1_sft'} had other values of "
                      "--learning_rate", "step 3: starts afresh: it starts from step 2's new output"]
+    assert plan_steps([2], "ppo", str(tmp_path), {2: FLAGS})[2] == (FRESH, f"{tmp_path / 'step2_rm'} does not exist yet")
+    (tmp_path / "step2_rm").mkdir()
     assert plan_steps([2], "ppo", str(tmp_path), {2: FLAGS})[2] == (
         FRESH, f"{tmp_path / 'step2_rm'} holds no finished output nor checkpoint made from the present output of "
                "step 1")
+    assert plan_steps([1], "ppo", str(tmp_path / "new"), {1: FLAGS})[1] == (
+        FRESH, f"{tmp_path / 'new' / 'step1_sft'} does not exist yet")
+    assert plan_steps([3], "ppo", str(tmp_path / "new"), {3: FLAGS})[3] == (
+        FRESH, f"{tmp_path / 'new' / 'step3_ppo'} does not exist yet"), "not 'holds no ... made from step 1's output'"
+    (tmp_path / "new" / "step1_sft").mkdir(parents=True)
     assert plan_steps([1], "ppo", str(tmp_path / "new"), {1: FLAGS})[1] == (
         FRESH, f"{tmp_path / 'new' / 'step1_sft'} holds no finished output nor checkpoint")
     assert describe(3, plan_steps([3], "ppo", str(tmp_path), {3: FLAGS})[3], "out/step3_ppo") == \
