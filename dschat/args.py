@@ -688,6 +688,13 @@ class TrainPyParser(HintingParser):
 
         return step_flag_hint(given) or super().flag_hint(given) or close_step_flags_hint(given)
 
+    def misdashed_values(self, tokens):
+        """As the steps' (``HintingParser.misdashed_values``), but none for a --stepN-args: its value is the step's
+        flags, where a pasted dash is the step's to tell (``pipeline.check_step_args``, before any step runs).
+        ``--step3-args "\u2014enable_ema"`` was told "read as its value" and to give --enable_ema inside --step3-args,
+        where it was."""
+        return [] if str(tokens[0]) in STEP_ARGS else super().misdashed_values(tokens)
+
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else args
         self.refuse_unquoted_step_args(argv)

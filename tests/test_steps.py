@@ -720,6 +720,24 @@ def test_a_pasted_dash_flag_read_as_a_flags_one_value_is_told_as_a_flag(capsys):
         assert stopped.value.code == 2 and err.endswith("error: " + "\n  ".join(said) + "\n"), err
 
 
+def test_a_pasted_dash_flag_in_a_step_args_string_is_the_steps_to_tell(capsys):
+    """``--step3-args "\u2014enable_ema"``: the string is --step3-args' value as meant, yet train.py said
+    "\u2014enable_ema read as its value" and to give --enable_ema inside --step3-args, where it was (one with a
+    space, "\u2013lora_dim 2", went through). The string is the step's: its parse (``pipeline.check_step_args``)
+    tells the pasted dash, with the flag it spells."""
+    from dschat.args import step3_parser
+
+    assert _train_py_args("--step3-args", "\u2014enable_ema").step3_args == "\u2014enable_ema"
+    assert _train_py_args("--step3-args", "\u2014enable_ema", "--step", "3").step3_args == "\u2014enable_ema"
+    with pytest.raises(SystemExit):
+        step3_parser().parse_args(["\u2014enable_ema"])
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: \u2014enable_ema\n  \u2014enable_ema: "
+                                            "begins with a typographic dash, not '--'; did you mean --enable_ema?\n")
+    with pytest.raises(SystemExit):  # (another train.py flag's value is still told)
+        _train_py_args("--output-dir", "\u2014step3-args", "x")
+    assert "argument --output-dir: \u2014step3-args read as its value" in capsys.readouterr().err
+
+
 def test_train_py_says_to_quote_a_steps_flags_given_unquoted(capsys):
     """``--step3-args --entropy_coef 0.01`` unquoted (the shell splits it: --step3-args takes --entropy_coef, and
     0.01 is left over) said only "unrecognized arguments: 0.01", as did step 3's flags after its string
