@@ -5,6 +5,11 @@ import pytest
 # Keep CPU tests single-threaded per process and off any real hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per test process, and per process a test starts (they inherit the variable), unless the caller set
+# OMP_NUM_THREADS: set before torch is imported, which reads it. pytest-xdist's workers on 2 cores each ran torch on a
+# thread per core; so oversubscribed, OpenMP's threads waited on each other's time slices and a test of 150 SFT
+# micro-batches took 149 s in place of 7 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

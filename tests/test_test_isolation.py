@@ -26,3 +26,14 @@ def test_a_notice_is_said_once_in_a_test(how, capsys):
 def test_a_notice_an_earlier_test_said_is_said_again_in_the_next(how, capsys):
     """(run after the test above): each test starts as a fresh process, nothing said (conftest's nothing_said_yet)."""
     assert say(how, capsys).count("a notice said once per process") == 1
+
+
+def test_the_test_processes_run_torch_on_the_threads_omp_num_threads_says():
+    """conftest sets OMP_NUM_THREADS=1 unless the caller set it: torch on a thread per core in each of pytest-xdist's
+    workers oversubscribed the cores, and the SFT tests ran 20 times slower on a loaded 2-core machine."""
+    import os
+
+    import torch
+
+    assert os.environ.get("OMP_NUM_THREADS"), "conftest sets OMP_NUM_THREADS before torch is imported"
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
