@@ -684,14 +684,19 @@ def test_a_pasted_dash_flag_after_a_flag_of_several_values_is_told_as_a_flag(cap
             (lambda argv: _train_py_args(*argv), ["--step", "1", "2", "\u2013recipe", "dpo"],
              ["argument --step: \u2013recipe dpo read as its values",
               f"\u2013recipe: {typed}; did you mean --recipe?"])):
-        with pytest.raises(SystemExit) as stopped:
-            parse(argv)
-        err = capsys.readouterr().err
-        assert stopped.value.code == 2 and err.endswith("error: " + "\n  ".join(said) + "\n"), err
+        assert_refused_saying(parse, argv, said, capsys)
     assert step1_parser().parse_args(["--data_path", "a", "\u2013my_data"]).data_path == ["a", "\u2013my_data"]
     prompts = ["Hi", "\u2014Hello", "\u2014 and you?"]
     assert prompt_eval.build_parser().parse_args(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune",
                                                   "b", "--prompts", *prompts]).prompts == prompts
+
+
+def assert_refused_saying(parse, argv, said, capsys):
+    """``parse(argv)`` exits 2, its error's lines ``said`` (the hints a line each under it)."""
+    with pytest.raises(SystemExit) as stopped:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.endswith("error: " + "\n  ".join(said) + "\n"), err
 
 
 def test_a_pasted_dash_flag_read_as_a_flags_one_value_is_told_as_a_flag(capsys):
@@ -714,10 +719,7 @@ def test_a_pasted_dash_flag_read_as_a_flags_one_value_is_told_as_a_flag(capsys):
             (step1_parser().parse_args, ["--print_loss", "\u2014learning_rate", "1e-3"],
              ["unrecognized arguments: \u2014learning_rate 1e-3",
               f"\u2014learning_rate: {typed}; did you mean --learning_rate?"])):
-        with pytest.raises(SystemExit) as stopped:
-            parse(argv)
-        err = capsys.readouterr().err
-        assert stopped.value.code == 2 and err.endswith("error: " + "\n  ".join(said) + "\n"), err
+        assert_refused_saying(parse, argv, said, capsys)
 
 
 def test_a_pasted_dash_flag_in_a_step_args_string_is_the_steps_to_tell(capsys):
